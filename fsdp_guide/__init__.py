@@ -1,0 +1,32 @@
+"""fsdp-guide: executable lessons and typed helpers for sharded training in PyTorch.
+
+The top level stays light: it imports torch, not FairScale, Lightning, matplotlib or
+IPython. ``%load_ext fsdp_guide`` registers the ``%%distributed`` cell magic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp_guide.errors import LaunchError, LaunchTimeout, RankError
+from fsdp_guide.launch import dist_init, find_free_port, launch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LaunchError",
+    "LaunchTimeout",
+    "RankError",
+    "__version__",
+    "dist_init",
+    "find_free_port",
+    "launch",
+    "load_ipython_extension",
+]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register the ``%%distributed`` cell magic (called by ``%load_ext fsdp_guide``)."""
+    from fsdp_guide.magic import DistributedMagics
+
+    ipython.register_magics(DistributedMagics)

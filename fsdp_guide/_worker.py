@@ -1,0 +1,127 @@
+"""What runs inside each launched rank (private).
+
+Kept apart from the supervisor so a spawned child imports as little as possible. A rank:
+
+1. becomes leader of its own process group, so the supervisor can stop it together with
+   any processes it started (data-loader workers, say);
+2. sends its stdout and stderr, at the file-descriptor level, into pipes that the
+   supervisor reads line by line (C++ warnings from gloo included);
+3. initialises ``torch.distributed``, runs the user's function, destroys the group;
+4. sends back a pickled ``("ok", value)`` or ``("error", text, time)`` message.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__: list[str] = []
+
+
+def _redirect_stream(fd: int, conn: Connection) -> io.TextIOWrapper:
+    """Point file descriptor ``fd`` at the write end of ``conn`` and wrap it for Python."""
+    os.dup2(conn.fileno(), fd)
+    conn.close()
+    return io.TextIOWrapper(
+        os.fdopen(fd, "wb", buffering=0, closefd=False),
+        encoding="utf-8",
+        errors="replace",
+        line_buffering=True,
+        write_through=True,
+    )
+
+
+def _error_payload(text: str) -> bytes:
+    sys.stderr.flush()
+    return pickle.dumps(("error", text, time.time()))
+
+
+def _run_user_function(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    backend: str,
+    pg_timeout_s: float,
+) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    # Share the cores between ranks instead of each rank claiming all of them.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=pg_timeout_s),
+    )
+    value = fn(rank, world_size, *args, **kwargs)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return value
+
+
+def run_rank(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    backend: str,
+    master_addr: str,
+    master_port: int,
+    pg_timeout_s: float,
+    stdout_w: Connection,
+    stderr_w: Connection,
+    result_w: Connection,
+) -> None:
+    """Entry point of one rank; never raises, reports through ``result_w`` instead."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # pragma: no cover - already a group leader
+        pass
+    sys.stdout = _redirect_stream(1, stdout_w)
+    sys.stderr = _redirect_stream(2, stderr_w)
+
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+        }
+    )
+    try:
+        value = _run_user_function(fn, rank, world_size, args, kwargs, backend, pg_timeout_s)
+    except BaseException:  # noqa: BLE001 - every failure is reported to the parent
+        payload = _error_payload(traceback.format_exc())
+    else:
+        try:
+            payload = pickle.dumps(("ok", value), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001
+            payload = _error_payload(
+                traceback.format_exc()
+                + f"\nThe value returned by rank {rank} could not be pickled; return plain "
+                "data (numbers, strings, lists, dicts, CPU tensors).\n"
+            )
+    try:
+        result_w.send_bytes(payload)
+    finally:
+        result_w.close()
+        sys.stdout.flush()
+        sys.stderr.flush()

@@ -1,0 +1,64 @@
+"""Errors raised by :func:`fsdp_guide.launch`.
+
+They form a small hierarchy so callers can catch every launch failure at once
+(:class:`LaunchError`) or tell a failing rank (:class:`RankError`) from a run that
+took too long (:class:`LaunchTimeout`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["LaunchError", "LaunchTimeout", "RankError"]
+
+
+class LaunchError(RuntimeError):
+    """Base class of every failure of a multi-process launch."""
+
+
+class RankError(LaunchError):
+    """One rank failed; the other ranks were stopped.
+
+    Attributes:
+        rank: The rank that failed first.
+        exitcode: The process exit status when it exited non-zero, else ``None``.
+        signal_name: The name of the signal that killed it (``"SIGKILL"``), else ``None``.
+        remote_traceback: The traceback text printed in the failing rank, when it raised.
+
+    Examples:
+        >>> err = RankError("rank 1 exited with status 3", rank=1, exitcode=3)
+        >>> isinstance(err, LaunchError), err.rank, err.exitcode
+        (True, 1, 3)
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        exitcode: int | None = None,
+        signal_name: str | None = None,
+        remote_traceback: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.signal_name = signal_name
+        self.remote_traceback = remote_traceback
+
+
+class LaunchTimeout(LaunchError, TimeoutError):
+    """Not every rank finished within the launch timeout; all were stopped.
+
+    Attributes:
+        ranks: The ranks still running when the timeout expired.
+        timeout: The timeout, in seconds.
+
+    Examples:
+        >>> err = LaunchTimeout("ranks [0] still running after 1.0 s", ranks=[0], timeout=1.0)
+        >>> isinstance(err, TimeoutError), err.ranks
+        (True, [0])
+    """
+
+    def __init__(self, message: str, *, ranks: list[int], timeout: float) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.timeout = timeout

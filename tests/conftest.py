@@ -1,0 +1,44 @@
+"""Shared fixtures: GPU skipping and a check that no test leaves a process behind."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA; run on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+def live_children() -> list[psutil.Process]:
+    """Child processes of this test process that are still running (zombies excluded)."""
+    alive = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                alive.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """Fail a test that leaves any child process running after it returns."""
+    before = {p.pid for p in live_children()}
+    yield
+    deadline = time.monotonic() + 5.0
+    leftover = [p for p in live_children() if p.pid not in before]
+    while leftover and time.monotonic() < deadline:
+        time.sleep(0.1)
+        leftover = [p for p in live_children() if p.pid not in before]
+    assert not leftover, f"processes left behind: {[(p.pid, p.name()) for p in leftover]}"
