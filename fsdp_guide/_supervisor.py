@@ -8,6 +8,7 @@ there too, so an interrupted run is always cleaned up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import selectors
@@ -82,10 +83,8 @@ def _kill_group(process: BaseProcess, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         # The rank has not become a group leader yet (or already left): signal it alone.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def stop_all(ranks: list[_Rank]) -> None:
@@ -101,10 +100,8 @@ def stop_all(ranks: list[_Rank]) -> None:
             r.process.join(5.0)
         else:
             # The leader is gone; make sure nothing it started survives.
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
                 os.killpg(r.process.pid or 0, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError, OSError):
-                pass
 
 
 def start_ranks(
@@ -122,13 +119,25 @@ def start_ranks(
     ranks: list[_Rank] = []
     try:
         for rank in range(world_size):
-            out_r, out_w = ctx.Pipe(duplex=False)  # type: ignore[attr-defined]
-            err_r, err_w = ctx.Pipe(duplex=False)  # type: ignore[attr-defined]
-            res_r, res_w = ctx.Pipe(duplex=False)  # type: ignore[attr-defined]
+            out_r, out_w = ctx.Pipe(duplex=False)
+            err_r, err_w = ctx.Pipe(duplex=False)
+            res_r, res_w = ctx.Pipe(duplex=False)
             process = ctx.Process(  # type: ignore[attr-defined]
                 target=_worker.run_rank,
-                args=(fn, rank, world_size, args, kwargs, backend, master_addr, master_port,
-                      pg_timeout_s, out_w, err_w, res_w),
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    args,
+                    kwargs,
+                    backend,
+                    master_addr,
+                    master_port,
+                    pg_timeout_s,
+                    out_w,
+                    err_w,
+                    res_w,
+                ),
                 name=f"fsdp_guide-rank{rank}",
                 daemon=False,
             )

@@ -12,6 +12,7 @@ Kept apart from the supervisor so a spawned child imports as little as possible.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -89,10 +90,8 @@ def run_rank(
     result_w: Connection,
 ) -> None:
     """Entry point of one rank; never raises, reports through ``result_w`` instead."""
-    try:
+    with contextlib.suppress(OSError):  # already a group leader
         os.setpgid(0, 0)
-    except OSError:  # pragma: no cover - already a group leader
-        pass
     sys.stdout = _redirect_stream(1, stdout_w)
     sys.stderr = _redirect_stream(2, stderr_w)
 
@@ -108,12 +107,12 @@ def run_rank(
     )
     try:
         value = _run_user_function(fn, rank, world_size, args, kwargs, backend, pg_timeout_s)
-    except BaseException:  # noqa: BLE001 - every failure is reported to the parent
+    except BaseException:
         payload = _error_payload(traceback.format_exc())
     else:
         try:
             payload = pickle.dumps(("ok", value), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:  # noqa: BLE001
+        except Exception:
             payload = _error_payload(
                 traceback.format_exc()
                 + f"\nThe value returned by rank {rank} could not be pickled; return plain "

@@ -136,7 +136,7 @@ def _resolve_start_method(start_method: str) -> str:
 def _check_fork_is_safe() -> None:
     import torch
 
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         raise RuntimeError(
             "cannot fork ranks: CUDA is already initialised in this process, and a forked "
             "child cannot use it. Restart the kernel (or interpreter), do not touch CUDA "
@@ -145,7 +145,9 @@ def _check_fork_is_safe() -> None:
         )
 
 
-def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+def _check_picklable(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> None:
     main = sys.modules.get("__main__")
     if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
         raise TypeError(
@@ -171,7 +173,10 @@ def _under_torchrun() -> bool:
 
 
 def _run_under_torchrun(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any], backend: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    backend: str,
     timeout: float,
 ) -> list[Any]:
     import torch
@@ -273,7 +278,14 @@ def launch(
     port = int(os.environ.get("MASTER_PORT") or find_free_port())
     ctx = mp.get_context(method)
     ranks = _supervisor.start_ranks(
-        ctx, fn, world_size, tuple(args), kwargs, chosen_backend, _MASTER_ADDR, port,
+        ctx,
+        fn,
+        world_size,
+        tuple(args),
+        kwargs,
+        chosen_backend,
+        _MASTER_ADDR,
+        port,
         float(timeout),
     )
     return _supervisor.supervise(ranks, float(timeout))

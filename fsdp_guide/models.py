@@ -1,0 +1,230 @@
+"""Small demo models and seeded synthetic data, sized so every lesson runs in seconds on CPU.
+
+:class:`TinyTransformer` is a stack of identical :class:`Block` layers, so wrap and
+activation-checkpointing policies have a layer class to select. :class:`MLP` is the
+smallest thing worth sharding. Data is generated from a seed, identically on every rank;
+:func:`shard_batch` gives each rank its slice of the global batch, so a sharded run and
+an unsharded run see the same samples and their losses can be compared.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "MLP",
+    "Batch",
+    "Block",
+    "ModelName",
+    "TinyTransformer",
+    "TransformerConfig",
+    "build_model",
+    "count_params",
+    "loss_fn",
+    "shard_batch",
+    "synthetic_batch",
+]
+
+ModelName = Literal["transformer", "mlp"]
+Batch = tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes of :class:`TinyTransformer`.
+
+    Attributes:
+        vocab_size: Number of token ids.
+        dim: Width of the residual stream.
+        n_heads: Attention heads per block (``dim`` must divide by it).
+        n_layers: Number of :class:`Block` layers.
+        seq_len: Longest sequence (size of the position embedding).
+        mlp_ratio: Hidden width of each block's MLP, as a multiple of ``dim``.
+    """
+
+    vocab_size: int = 256
+    dim: int = 128
+    n_heads: int = 4
+    n_layers: int = 4
+    seq_len: int = 32
+    mlp_ratio: int = 4
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention then an MLP, each residual."""
+
+    def __init__(self, dim: int, n_heads: int, mlp_ratio: int = 4) -> None:
+        super().__init__()
+        if dim % n_heads:
+            raise ValueError(f"dim={dim} must be divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, mlp_ratio * dim)
+        self.fc2 = nn.Linear(mlp_ratio * dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        out: Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return out
+
+
+class TinyTransformer(nn.Module):
+    """A GPT-shaped language model: embeddings, ``n_layers`` :class:`Block` s, a head.
+
+    Examples:
+        >>> model = TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2))
+        >>> tokens, targets = synthetic_batch("transformer", batch_size=3, config=model.config)
+        >>> model(tokens).shape
+        torch.Size([3, 32, 256])
+    """
+
+    def __init__(self, config: TransformerConfig | None = None) -> None:
+        super().__init__()
+        self.config = config = config or TransformerConfig()
+        self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
+        self.pos_emb = nn.Embedding(config.seq_len, config.dim)
+        self.blocks = nn.ModuleList(
+            Block(config.dim, config.n_heads, config.mlp_ratio) for _ in range(config.n_layers)
+        )
+        self.ln_f = nn.LayerNorm(config.dim)
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits: Tensor = self.head(self.ln_f(x))
+        return logits
+
+
+class MLP(nn.Module):
+    """A plain multi-layer perceptron for regression.
+
+    Examples:
+        >>> MLP(in_features=8, hidden=16, depth=2, out_features=1)(torch.zeros(4, 8)).shape
+        torch.Size([4, 1])
+    """
+
+    def __init__(
+        self, in_features: int = 32, hidden: int = 256, depth: int = 3, out_features: int = 8
+    ) -> None:
+        super().__init__()
+        widths = [in_features, *([hidden] * depth)]
+        layers: list[nn.Module] = []
+        for a, b in itertools.pairwise(widths):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        layers.append(nn.Linear(widths[-1], out_features))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.net(x)
+        return out
+
+
+def build_model(name: ModelName = "transformer", seed: int = 0) -> nn.Module:
+    """Build a demo model with seeded weights, identical on every rank.
+
+    Args:
+        name: ``"transformer"`` (:class:`TinyTransformer`) or ``"mlp"`` (:class:`MLP`).
+        seed: Seed of the initial weights.
+
+    Raises:
+        ValueError: For an unknown name.
+
+    Examples:
+        >>> count_params(build_model("mlp"))
+        142088
+    """
+    if name not in ("transformer", "mlp"):
+        raise ValueError(f"unknown model {name!r}; choose 'transformer' or 'mlp'")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return TinyTransformer() if name == "transformer" else MLP()
+
+
+def count_params(module: nn.Module) -> int:
+    """Number of parameter elements, each parameter counted once.
+
+    Examples:
+        >>> count_params(nn.Linear(3, 2))
+        8
+    """
+    return sum(p.numel() for p in module.parameters())
+
+
+def synthetic_batch(
+    name: ModelName = "transformer",
+    batch_size: int = 8,
+    step: int = 0,
+    seed: int = 0,
+    config: TransformerConfig | None = None,
+) -> Batch:
+    """The global batch of a training step, the same on every rank for the same arguments.
+
+    For the transformer: random token ids and the next-token targets. For the MLP:
+    Gaussian inputs and targets from a fixed random linear map plus noise.
+
+    Examples:
+        >>> x, y = synthetic_batch("mlp", batch_size=4)
+        >>> x.shape, y.shape
+        (torch.Size([4, 32]), torch.Size([4, 8]))
+        >>> torch.equal(synthetic_batch("mlp", step=1)[0], synthetic_batch("mlp", step=1)[0])
+        True
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if name == "transformer":
+        cfg = config or TransformerConfig()
+        seq = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=g)
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    if name == "mlp":
+        w = torch.randn(32, 8, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(batch_size, 32, generator=g)
+        return x, x @ w + 0.1 * torch.randn(batch_size, 8, generator=g)
+    raise ValueError(f"unknown model {name!r}; choose 'transformer' or 'mlp'")
+
+
+def shard_batch(batch: Batch, rank: int, world_size: int) -> Batch:
+    """This rank's contiguous slice of a global batch (what a DistributedSampler would give).
+
+    Raises:
+        ValueError: When the batch size does not divide by ``world_size``.
+
+    Examples:
+        >>> x, y = shard_batch(synthetic_batch("mlp", batch_size=8), rank=1, world_size=4)
+        >>> x.shape[0]
+        2
+    """
+    n = batch[0].shape[0]
+    if n % world_size:
+        raise ValueError(f"batch size {n} does not divide by world_size={world_size}")
+    per = n // world_size
+    return batch[0][rank * per : (rank + 1) * per], batch[1][rank * per : (rank + 1) * per]
+
+
+def loss_fn(model: nn.Module, batch: Batch) -> Tensor:
+    """Cross-entropy for token models, mean squared error otherwise.
+
+    Examples:
+        >>> model = build_model("mlp")
+        >>> float(loss_fn(model, synthetic_batch("mlp"))) > 0
+        True
+    """
+    x, y = batch
+    out = model(x)
+    if y.dtype == torch.long:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return F.mse_loss(out, y)
