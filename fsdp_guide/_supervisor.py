@@ -163,6 +163,20 @@ def _read_result(r: _Rank) -> None:
     r.done = True
     if message[0] == "ok":
         r.value = message[1]
+    elif message[0] == "exit":
+        _, code, failed_at = message
+        if code != 0:
+            r.failure = RankError(
+                f"rank {r.rank} called sys.exit({code})", rank=r.rank, exitcode=code
+            )
+            r.failed_at = failed_at
+        else:
+            r.failure = RankError(
+                f"rank {r.rank} called sys.exit(0) before returning a result",
+                rank=r.rank,
+                exitcode=0,
+            )
+            r.failed_at = failed_at
     else:
         _, text, failed_at = message
         last = text.strip().splitlines()[-1] if text.strip() else "an exception"
@@ -220,6 +234,7 @@ def supervise(ranks: list[_Rank], timeout: float) -> list[Any]:
                 stop_all(ranks)
                 _drain(ranks)
                 raise _root_cause(ranks)
+        _read_streams_to_eof(selector, time.monotonic() + _TERMINATE_GRACE_S)
     except BaseException:
         stop_all(ranks)
         _drain(ranks)
@@ -231,6 +246,26 @@ def supervise(ranks: list[_Rank], timeout: float) -> list[Any]:
             for s in r.streams:
                 s.conn.close()
     return [r.value for r in ranks]
+
+
+def _read_streams_to_eof(selector: selectors.BaseSelector, deadline: float) -> None:
+    """After the ranks exit, print what is still in their pipes, up to end of file."""
+    while any(key.data[0] == "stream" for key in selector.get_map().values()):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break  # a process the rank started still holds the pipe open
+        for key, _ in selector.select(remaining):
+            kind, _, s = key.data
+            if kind != "stream":
+                selector.unregister(key.fd)
+                continue
+            data = os.read(s.conn.fileno(), 65536)
+            _emit(s, data, final=not data)
+            if not data:
+                selector.unregister(key.fd)
+    for key in list(selector.get_map().values()):
+        if key.data[0] == "stream":
+            _emit(key.data[2], b"", final=True)
 
 
 def _root_cause(ranks: list[_Rank]) -> RankError:

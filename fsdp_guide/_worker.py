@@ -107,6 +107,10 @@ def run_rank(
     )
     try:
         value = _run_user_function(fn, rank, world_size, args, kwargs, backend, pg_timeout_s)
+    except SystemExit as exc:
+        # sys.exit(n) in a rank is reported like a process exit status, not a traceback.
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        payload = pickle.dumps(("exit", code, time.time()))
     except BaseException:
         payload = _error_payload(traceback.format_exc())
     else:

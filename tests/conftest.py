@@ -19,12 +19,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+def _is_multiprocessing_helper(proc: psutil.Process) -> bool:
+    # multiprocessing starts one resource tracker per parent on first spawn; it lives as long
+    # as the parent by design and is not a rank.
+    return any("multiprocessing.resource_tracker" in part for part in proc.cmdline())
+
+
 def live_children() -> list[psutil.Process]:
-    """Child processes of this test process that are still running (zombies excluded)."""
+    """Child processes of this test process still running (zombies, mp helpers excluded)."""
     alive = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
+            if child.status() != psutil.STATUS_ZOMBIE and not _is_multiprocessing_helper(child):
                 alive.append(child)
         except psutil.NoSuchProcess:
             pass

@@ -1,0 +1,95 @@
+"""Functions run on launched ranks by the launcher tests (importable, so spawn works too)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def world_info(rank: int, world_size: int, tag: str = "", *, scale: int = 1) -> dict[str, object]:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "dist_rank": dist.get_rank(),
+        "dist_world": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "rank_sum": t.item() * scale,
+        "tag": tag,
+        "pid": os.getpid(),
+    }
+
+
+def big_result(rank: int, world_size: int, numel: int) -> tuple[torch.Tensor, bytes]:
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(numel, generator=g), bytes([rank]) * numel
+
+
+def raise_on(rank: int, world_size: int, bad_rank: int) -> int:
+    if rank == bad_rank:
+        raise ValueError(f"boom from rank {rank}")
+    return rank
+
+
+def fail_while_peers_wait(rank: int, world_size: int, bad_rank: int) -> int:
+    """The bad rank raises; the others block in a collective that can never complete."""
+    if rank == bad_rank:
+        time.sleep(0.5)
+        raise RuntimeError(f"rank {rank} gave up")
+    dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def exit_with(rank: int, world_size: int, bad_rank: int, code: int) -> int:
+    if rank == bad_rank:
+        sys.stdout.flush()
+        os._exit(code)
+    dist.barrier()
+    return rank
+
+
+def sys_exit_with(rank: int, world_size: int, bad_rank: int, code: int) -> int:
+    if rank == bad_rank:
+        sys.exit(code)
+    dist.barrier()
+    return rank
+
+
+def kill_self(rank: int, world_size: int, bad_rank: int) -> int:
+    if rank == bad_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    return rank
+
+
+def sleep_on(rank: int, world_size: int, slow_rank: int, seconds: float) -> int:
+    if rank == slow_rank:
+        time.sleep(seconds)
+    return rank
+
+
+def sleep_all(rank: int, world_size: int, seconds: float) -> int:
+    time.sleep(seconds)
+    return rank
+
+
+def chatter(rank: int, world_size: int, lines: int, width: int) -> int:
+    """Write many long lines to stdout and stderr, in small chunks, to tempt interleaving."""
+    for i in range(lines):
+        text = f"rank{rank}-line{i}-" + "x" * width
+        for start in range(0, len(text), 7):
+            sys.stdout.write(text[start : start + 7])
+        sys.stdout.write("\n")
+        print(f"err rank{rank} line{i}", file=sys.stderr)
+    sys.stdout.write(f"rank{rank} no newline at the end")
+    return rank
+
+
+def unpicklable_result(rank: int, world_size: int) -> object:
+    return lambda: rank

@@ -1,0 +1,325 @@
+"""The launcher's contract, including the failure matrix of torch's multiprocessing tests.
+
+Every failure test asserts the error type, the rank or exit status in it, an upper bound on
+the elapsed time, and (through the autouse fixture in conftest) that no process is left.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import launch_targets as targets
+import pytest
+import torch
+
+import fsdp_guide
+from fsdp_guide import LaunchError, LaunchTimeout, RankError, launch
+
+METHODS = ["fork", "spawn"]
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_runs_on_every_rank_and_returns_in_rank_order(world_size: int, start_method: str) -> None:
+    results = launch(
+        targets.world_info,
+        world_size=world_size,
+        args=("t",),
+        kwargs={"scale": 2},
+        backend="gloo",
+        start_method=start_method,  # type: ignore[arg-type]
+    )
+    assert [r["rank"] for r in results] == list(range(world_size))
+    expected_sum = 2.0 * sum(range(world_size))
+    for r in results:
+        assert r["world_size"] == r["dist_world"] == world_size
+        assert r["dist_rank"] == r["rank"]
+        assert r["backend"] == "gloo"
+        assert r["rank_sum"] == expected_sum
+        assert r["tag"] == "t"
+    assert len({r["pid"] for r in results}) == world_size
+    assert os.getpid() not in {r["pid"] for r in results}
+
+
+def test_auto_backend_is_gloo_without_gpus() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: auto would pick nccl")
+    assert launch(targets.world_info, 2, start_method="fork")[0]["backend"] == "gloo"
+
+
+def test_master_port_from_environment_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    port = fsdp_guide.find_free_port()
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    seen = launch(targets.world_info, 2, backend="gloo", start_method="fork")
+    assert [r["rank"] for r in seen] == [0, 1]
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_return_values_of_several_megabytes_come_back_intact(start_method: str) -> None:
+    numel = 2_000_000  # 8 MB of float32 plus 2 MB of bytes per rank
+    results = launch(
+        targets.big_result,
+        2,
+        args=(numel,),
+        backend="gloo",
+        start_method=start_method,  # type: ignore[arg-type]
+    )
+    for rank, (tensor, blob) in enumerate(results):
+        expected, _ = targets.big_result(rank, 2, numel)
+        assert torch.equal(tensor, expected)
+        assert blob == bytes([rank]) * numel
+
+
+def test_output_is_prefixed_whole_lines_never_mixed(capfd: pytest.CaptureFixture[str]) -> None:
+    lines, width = 200, 300
+    launch(targets.chatter, 2, args=(lines, width), backend="gloo", start_method="fork")
+    out, err = capfd.readouterr()
+    out_lines = [line for line in out.splitlines() if line.startswith("[rank")]
+    for rank in (0, 1):
+        mine = [line for line in out_lines if line.startswith(f"[rank{rank}] ")]
+        body = [f"rank{rank}-line{i}-" + "x" * width for i in range(lines)]
+        assert mine == [f"[rank{rank}] {b}" for b in body] + [
+            f"[rank{rank}] rank{rank} no newline at the end"
+        ]
+    err_lines = [line for line in err.splitlines() if line.startswith("[rank")]
+    for rank in (0, 1):
+        assert [line for line in err_lines if line.startswith(f"[rank{rank}] err")] == [
+            f"[rank{rank}] err rank{rank} line{i}" for i in range(lines)
+        ]
+    assert not re.search(r"\[rank\d\] [^\n]*\[rank\d\]", out)
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_raising_rank_gives_rank_error_with_its_traceback(
+    start_method: str, bad_rank: int
+) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(
+            targets.raise_on,
+            2,
+            args=(bad_rank,),
+            backend="gloo",
+            start_method=start_method,  # type: ignore[arg-type]
+        )
+    assert time.monotonic() - t0 < 30
+    err = info.value
+    assert isinstance(err, LaunchError)
+    assert err.rank == bad_rank
+    assert f"ValueError: boom from rank {bad_rank}" in str(err)
+    assert "Traceback (most recent call last)" in str(err)
+    assert "launch_targets.py" in str(err) and "raise_on" in str(err)
+    assert err.remote_traceback is not None and err.exitcode is None
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_failure_while_peers_wait_in_a_collective_is_reported_fast(bad_rank: int) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        # The collective's own timeout is 300 s; the error must come long before it.
+        launch(
+            targets.fail_while_peers_wait,
+            3,
+            args=(bad_rank,),
+            backend="gloo",
+            start_method="fork",
+            timeout=300,
+        )
+    elapsed = time.monotonic() - t0
+    assert elapsed < 10, elapsed
+    assert info.value.rank == bad_rank
+    assert f"rank {bad_rank} gave up" in str(info.value)
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_a_rank_exiting_non_zero_reports_its_exit_status(start_method: str) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1 exited with status 3") as info:
+        launch(targets.exit_with, 2, args=(1, 3), backend="gloo", start_method=start_method)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 30
+    assert info.value.rank == 1 and info.value.exitcode == 3 and info.value.signal_name is None
+
+
+def test_sys_exit_in_a_rank_reports_its_status() -> None:
+    with pytest.raises(RankError, match=r"rank 0 called sys.exit\(5\)") as info:
+        launch(targets.sys_exit_with, 2, args=(0, 5), backend="gloo", start_method="fork")
+    assert info.value.exitcode == 5
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_a_rank_killed_by_a_signal_names_the_signal(start_method: str) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match="rank 1 was killed by SIGKILL") as info:
+        launch(targets.kill_self, 2, args=(1,), backend="gloo", start_method=start_method)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 30
+    assert info.value.rank == 1 and info.value.signal_name == "SIGKILL"
+
+
+def test_timeout_names_the_ranks_still_running_and_stops_them() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(LaunchTimeout, match=r"ranks \[1\] still running after 2 s") as info:
+        launch(
+            targets.sleep_on, 2, args=(1, 120.0), backend="gloo", start_method="fork", timeout=2.0
+        )
+    assert 2.0 <= time.monotonic() - t0 < 10
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, LaunchError)
+    assert info.value.ranks == [1]
+
+
+def test_keyboard_interrupt_stops_all_ranks_and_is_reraised() -> None:
+    def interrupt(signum: int, frame: types.FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(targets.sleep_all, 2, args=(120.0,), backend="gloo", start_method="fork")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - t0 < 10
+
+
+def test_unpicklable_return_value_is_a_rank_error() -> None:
+    with pytest.raises(RankError, match="could not be pickled; return plain data"):
+        launch(targets.unpicklable_result, 2, backend="gloo", start_method="fork")
+
+
+# --- bad input: raised before any process starts ---------------------------------------
+
+
+@pytest.fixture
+def no_process_may_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a process was started before the input was checked")
+
+    monkeypatch.setattr(fsdp_guide._supervisor, "start_ranks", refuse)
+
+
+@pytest.mark.usefixtures("no_process_may_start")
+@pytest.mark.parametrize("world_size", [0, -1, 1.5, "2", True, None])
+def test_bad_world_size(world_size: object) -> None:
+    with pytest.raises(ValueError, match="world_size must be"):
+        launch(targets.world_info, world_size)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("no_process_may_start")
+@pytest.mark.parametrize("backend", ["mpi", "NCCL", ""])
+def test_unknown_backend_lists_the_valid_ones(backend: str) -> None:
+    with pytest.raises(ValueError, match="choose one of 'auto', 'gloo', 'nccl'"):
+        launch(targets.world_info, 2, backend=backend)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("no_process_may_start")
+def test_nccl_with_too_few_gpus_names_both_counts() -> None:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    want = gpus + 1
+    with pytest.raises(ValueError, match=rf"world_size={want} but {gpus} GPU\(s\) visible"):
+        launch(targets.world_info, want, backend="nccl")
+
+
+@pytest.mark.usefixtures("no_process_may_start")
+@pytest.mark.parametrize("bad", [{"start_method": "forkserver"}, {"timeout": 0}, {"timeout": -3}])
+def test_bad_start_method_or_timeout(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="start_method|timeout"):
+        launch(targets.world_info, 2, **bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("no_process_may_start")
+def test_fork_with_cuda_initialised_says_restart(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA is already initialised.*Restart the kernel"):
+        launch(targets.world_info, 2, start_method="fork")
+
+
+@pytest.mark.usefixtures("no_process_may_start")
+def test_spawn_refuses_a_lambda() -> None:
+    with pytest.raises(TypeError, match="pickling failed.*start_method='fork'"):
+        launch(lambda rank, ws: rank, 2, start_method="spawn")
+
+
+@pytest.mark.usefixtures("no_process_may_start")
+def test_spawn_refuses_a_function_defined_in_a_notebook(monkeypatch: pytest.MonkeyPatch) -> None:
+    notebook_main = types.ModuleType("__main__")  # a kernel's __main__ has no __file__
+
+    def train(rank: int, world_size: int) -> int:
+        return rank
+
+    train.__module__ = "__main__"
+    monkeypatch.setitem(sys.modules, "__main__", notebook_main)
+    with pytest.raises(TypeError, match="defined interactively.*start_method='fork'"):
+        launch(train, 2, start_method="spawn")
+
+
+@pytest.mark.usefixtures("no_process_may_start")
+def test_spawn_refuses_unpicklable_arguments() -> None:
+    with pytest.raises(TypeError, match="must pickle args"):
+        launch(targets.world_info, 2, args=(lambda: 0,), start_method="spawn")
+
+
+def test_auto_start_method_forks_in_an_interactive_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    assert fsdp_guide.launch.__module__ == "fsdp_guide.launch"
+    from fsdp_guide.launch import _resolve_start_method
+
+    assert _resolve_start_method("auto") == "fork"
+    monkeypatch.delattr(sys, "ps1")
+    assert _resolve_start_method("auto") == "spawn"
+
+
+# --- torchrun: the same function, one process per rank started by torchrun -------------
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from fsdp_guide import launch
+sys.path.insert(0, {tests!r})
+import launch_targets
+results = launch(launch_targets.world_info, world_size=2, args=("torchrun",))
+print("RESULT " + json.dumps([{{k: r[k] for k in ("rank", "rank_sum", "tag")}} for r in results]))
+"""
+
+
+def test_under_torchrun_runs_in_process_and_every_rank_gets_all_results(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parent)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    port = fsdp_guide.find_free_port()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            f"--master-port={port}",
+            "--master-addr=127.0.0.1",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    expected = (
+        '[{"rank": 0, "rank_sum": 1.0, "tag": "torchrun"}, '
+        '{"rank": 1, "rank_sum": 1.0, "tag": "torchrun"}]'
+    )
+    assert lines == ["RESULT " + expected] * 2
+
+
+def test_dist_init_rejects_a_bad_rank() -> None:
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\)"):
+        fsdp_guide.dist_init(2, 2)
