@@ -26,6 +26,9 @@ from typing import Any
 
 __all__: list[str] = []
 
+# Frames from these files are the launcher's plumbing, not the user's code.
+_INTERNAL_FILES = frozenset({"_worker.py", "magic.py"})
+
 
 def _redirect_stream(fd: int, conn: Connection) -> io.TextIOWrapper:
     """Point file descriptor ``fd`` at the write end of ``conn`` and wrap it for Python."""
@@ -38,6 +41,14 @@ def _redirect_stream(fd: int, conn: Connection) -> io.TextIOWrapper:
         line_buffering=True,
         write_through=True,
     )
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback of ``exc`` without the launcher's own frames at its top."""
+    tb = exc.__traceback__
+    while tb is not None and os.path.basename(tb.tb_frame.f_code.co_filename) in _INTERNAL_FILES:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
 def _error_payload(text: str) -> bytes:
@@ -111,8 +122,8 @@ def run_rank(
         # sys.exit(n) in a rank is reported like a process exit status, not a traceback.
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         payload = pickle.dumps(("exit", code, time.time()))
-    except BaseException:
-        payload = _error_payload(traceback.format_exc())
+    except BaseException as exc:
+        payload = _error_payload(_user_traceback(exc))
     else:
         try:
             payload = pickle.dumps(("ok", value), protocol=pickle.HIGHEST_PROTOCOL)

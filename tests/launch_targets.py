@@ -93,3 +93,9 @@ def chatter(rank: int, world_size: int, lines: int, width: int) -> int:
 
 def unpicklable_result(rank: int, world_size: int) -> object:
     return lambda: rank
+
+
+def matmul_checksum(rank: int, world_size: int) -> float:
+    g = torch.Generator().manual_seed(rank)
+    a = torch.randn(256, 256, generator=g)
+    return float((a @ a).sum())

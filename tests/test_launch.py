@@ -323,3 +323,13 @@ def test_under_torchrun_runs_in_process_and_every_rank_gets_all_results(tmp_path
 def test_dist_init_rejects_a_bad_rank() -> None:
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\)"):
         fsdp_guide.dist_init(2, 2)
+
+
+def test_fork_after_the_parent_used_torch_threads_does_not_hang() -> None:
+    # A notebook builds models before launching; the intra-op thread pool must survive fork.
+    big = torch.randn(512, 512)
+    (big @ big).sum()
+    results = launch(targets.matmul_checksum, 2, backend="gloo", start_method="fork", timeout=60)
+    expected = [targets.matmul_checksum(0, 2), targets.matmul_checksum(1, 2)]
+    # Ranks use fewer threads than the parent, so sums are reordered: compare with a tolerance.
+    assert results == pytest.approx(expected, rel=1e-5)

@@ -1,0 +1,39 @@
+"""The command-line entry point and its demo command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fsdp_guide.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_demo_launches_two_ranks_and_prints_their_lines() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_guide", "demo"], capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sorted(line for line in lines if "hello from" in line) == [
+        f"[rank{r}] hello from rank {r} of 2 (pid {pid}, backend gloo)"
+        for r, pid in sorted(
+            (int(line[5]), int(line.split("pid ")[1].split(",")[0]))
+            for line in lines
+            if "hello from" in line
+        )
+    ]
+    assert lines[-1] == "launched 2 ranks; rank sums: [1.0, 1.0]"
+
+
+@pytest.mark.parametrize("argv", [["demo", "--world-size", "0"], ["demo", "--world-size", "x"]])
+def test_bad_input_exits_2_with_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) in (1, 2)  # argparse prints usage + one error line; ours prints one line
+    assert "error:" in err[-1] and "Traceback" not in "".join(err)

@@ -1,0 +1,79 @@
+"""The %%distributed cell magic, driven through a real in-process IPython shell."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+
+from fsdp_guide import RankError
+from fsdp_guide.magic import parse_magic_line
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def shell() -> Iterator[Any]:
+    ip = InteractiveShell.instance()
+    ip.run_cell("%load_ext fsdp_guide", store_history=False)
+    yield ip
+    # A live shell makes launch() think it runs in a notebook: drop it for later tests.
+    InteractiveShell.clear_instance()
+
+
+def test_cell_runs_on_every_rank_and_gathers_by_rank(shell: Any) -> None:
+    shell.run_cell("import torch, torch.distributed as dist\noffset = 10")
+    result = shell.run_cell(
+        "%%distributed --world-size 3 --backend gloo --gather mine total\n"
+        "mine = rank + offset\n"
+        "t = torch.tensor([float(mine)])\n"
+        "dist.all_reduce(t)\n"
+        "total = t.item()\n"
+        "print('rank', rank, 'of', world_size)\n"
+    )
+    assert result.error_in_exec is None, result.error_in_exec
+    assert shell.user_ns["mine"] == [10, 11, 12]
+    assert shell.user_ns["total"] == [33.0, 33.0, 33.0]
+    assert "rank" not in shell.user_ns  # the ranks' namespaces do not leak back
+
+
+def test_a_failing_rank_fails_the_cell_with_its_traceback(shell: Any) -> None:
+    result = shell.run_cell(
+        "%%distributed --world-size 2 --timeout 60\n"
+        "import torch.distributed as dist\n"
+        "if rank == 1:\n"
+        "    raise KeyError('missing shard')\n"
+        "dist.barrier()\n"
+    )
+    err = result.error_in_exec
+    assert isinstance(err, RankError) and err.rank == 1
+    assert "KeyError: 'missing shard'" in str(err)
+    assert "raise KeyError('missing shard')" in str(err)  # the cell's line, via linecache
+
+
+def test_gathering_an_undefined_name_names_it(shell: Any) -> None:
+    result = shell.run_cell("%%distributed --world-size 2 --gather nope\nx = 1\n")
+    assert isinstance(result.error_in_exec, RankError)
+    assert "did not define nope" in str(result.error_in_exec)
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ("--world-size two", "invalid int value"),
+        ("--backend mpi", "invalid choice"),
+        ("--gather 1x", "takes variable names"),
+        ("--frobnicate", "unrecognized arguments: --frobnicate"),
+    ],
+)
+def test_bad_options_are_refused_before_any_rank_starts(line: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_magic_line(line)
+
+
+def test_bad_world_size_fails_the_cell_before_starting(shell: Any) -> None:
+    result = shell.run_cell("%%distributed --world-size 0\nx = 1\n")
+    assert isinstance(result.error_in_exec, ValueError)
+    assert "world_size must be >= 1" in str(result.error_in_exec)
