@@ -1,0 +1,291 @@
+"""Shard a model with one of three engines: :func:`shard`, :func:`wrapping` and :func:`wrap`.
+
+``"fairscale"`` is FairScale's ``FullyShardedDataParallel`` (CUDA only), ``"torch"`` is PyTorch's
+FSDP1 ``FullyShardedDataParallel``, ``"fsdp2"`` is PyTorch's ``fully_shard``. :func:`shard`
+wraps a whole model following a :class:`~fsdp_guide.wrap_policy.WrapPolicy`; :func:`wrapping`
+and :func:`wrap` let model code pick its units by hand, and do nothing when no engine is active,
+so the same model code runs sharded or not (Lightning's ``configure_sharded_model`` idea).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from fsdp_guide.wrap_policy import WrapPolicy, selected_modules
+
+__all__ = [
+    "ENGINES",
+    "Engine",
+    "EngineUnavailableError",
+    "check_engine",
+    "shard",
+    "wrap",
+    "wrapping",
+]
+
+Engine = Literal["fairscale", "torch", "fsdp2"]
+ENGINES: tuple[str, ...] = ("fairscale", "torch", "fsdp2")
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot run on this machine (FairScale's FSDP without CUDA)."""
+
+
+@dataclass
+class _WrapContext:
+    engine: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+_ACTIVE: ContextVar[_WrapContext | None] = ContextVar("fsdp_guide_wrap_context", default=None)
+
+
+def check_engine(engine: object) -> str:
+    """Validate an engine name against this machine.
+
+    Args:
+        engine: ``"fairscale"``, ``"torch"`` or ``"fsdp2"``.
+
+    Returns:
+        The engine name.
+
+    Raises:
+        ValueError: For an unknown name.
+        EngineUnavailableError: For ``"fairscale"`` without CUDA.
+
+    Examples:
+        >>> check_engine("fsdp2")
+        'fsdp2'
+        >>> check_engine("deepspeed")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown engine 'deepspeed'; choose one of 'fairscale', 'torch', 'fsdp2'
+    """
+    if engine not in ENGINES:
+        choices = ", ".join(repr(e) for e in ENGINES)
+        raise ValueError(f"unknown engine {engine!r}; choose one of {choices}")
+    if engine == "fairscale" and not torch.cuda.is_available():
+        raise EngineUnavailableError(
+            "engine 'fairscale' (FairScale's FullyShardedDataParallel) needs CUDA, and no GPU "
+            "is visible; on CPU use engine='torch' (PyTorch FSDP1) or engine='fsdp2' "
+            "(PyTorch fully_shard)"
+        )
+    return str(engine)
+
+
+def _check_process_group(what: str) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{what} needs a torch.distributed process group: call it inside a function run "
+            "by fsdp_guide.launch(fn, world_size, backend='gloo') (or under torchrun, or "
+            "after torch.distributed.init_process_group)"
+        )
+
+
+def _torch_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    # FSDP1 needs to be told which device to run on; on CPU that is the CPU itself.
+    if torch.cuda.is_available():
+        options.setdefault("device_id", torch.device("cuda", torch.cuda.current_device()))
+    else:
+        options.setdefault("device_id", torch.device("cpu"))
+    return options
+
+
+def _fsdp2_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    if options.get("mesh") is None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        options["mesh"] = init_device_mesh(device, (dist.get_world_size(),))
+    return options
+
+
+def _has_units(module: nn.Module) -> bool:
+    from fsdp_guide.describe import unit_engine
+
+    return any(unit_engine(m) is not None for m in module.modules())
+
+
+def shard(
+    module: nn.Module,
+    engine: Engine = "torch",
+    policy: WrapPolicy | None = None,
+    **engine_options: Any,
+) -> nn.Module:
+    """Shard ``module`` with ``engine``: units chosen by ``policy``, then the root.
+
+    Call it on every rank, inside a function run by :func:`fsdp_guide.launch`. Without a
+    policy only the root becomes a unit (plus any units made by hand with :func:`wrap`).
+    Build the optimizer afterwards, from the returned model's parameters
+    (:func:`fsdp_guide.wrap.check_optimizer` catches the opposite).
+
+    Args:
+        module: The model; every rank must build it with the same weights.
+        engine: ``"torch"`` (FSDP1, gets ``device_id`` = the CPU or the current GPU),
+            ``"fsdp2"`` (``fully_shard`` on a 1-D device mesh over all ranks, gloo CPU mesh
+            on CPU) or ``"fairscale"`` (CUDA only).
+        policy: Which submodules become units of their own.
+        **engine_options: Passed to the engine's wrapper (e.g. ``sharding_strategy`` for
+            FSDP1, ``reshard_after_forward`` or ``mesh`` for FSDP2, ``mixed_precision`` for
+            FairScale).
+
+    Returns:
+        The sharded model: a new wrapper for ``"torch"`` and ``"fairscale"``, ``module``
+        itself (changed in place) for ``"fsdp2"``.
+
+    Raises:
+        ValueError: Unknown engine; a policy given for a model that already has units.
+        EngineUnavailableError: ``"fairscale"`` without CUDA (raised before anything else).
+        TypeError: ``module`` is not a Module or ``policy`` not a WrapPolicy.
+        RuntimeError: No process group is initialised.
+
+    Examples:
+        Sharding needs ranks; the checks run before anything happens:
+
+        >>> shard(nn.Linear(2, 2), engine="fsdp2")
+        Traceback (most recent call last):
+        ...
+        RuntimeError: shard() needs a torch.distributed process group: call it inside ...
+    """
+    check_engine(engine)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
+    if policy is not None and not isinstance(policy, WrapPolicy):
+        raise TypeError(
+            f"policy must be a WrapPolicy such as SizePolicy(100_000) or LayerPolicy(Block), "
+            f"got {policy!r}"
+        )
+    if policy is not None and _has_units(module):
+        raise ValueError(
+            "this model already has FSDP units (wrapped by hand); auto wrapping needs an "
+            "unwrapped model. Pass policy=None to only wrap the root, or drop the manual wraps"
+        )
+    _check_process_group("shard()")
+    options = dict(engine_options)
+    if engine == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        options = _torch_defaults(options)
+        auto_wrap_policy = policy.for_torch() if policy is not None else None
+        return FullyShardedDataParallel(module, auto_wrap_policy=auto_wrap_policy, **options)
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        options = _fsdp2_defaults(options)
+        units = selected_modules(module, policy) if policy is not None else []
+        for _, unit in units:  # children before parents, as fully_shard requires
+            fully_shard(unit, **options)
+        fully_shard(module, **options)
+        return module
+    return _shard_fairscale(module, policy, options)
+
+
+def _shard_fairscale(
+    module: nn.Module, policy: WrapPolicy | None, options: dict[str, Any]
+) -> nn.Module:
+    from fairscale.nn import FullyShardedDataParallel
+    from fairscale.nn.wrap import auto_wrap, enable_wrap
+
+    if policy is not None:
+        with enable_wrap(
+            wrapper_cls=FullyShardedDataParallel,
+            auto_wrap_policy=policy.for_fairscale(),
+            **options,
+        ):
+            module = auto_wrap(module)
+    wrapped: nn.Module = FullyShardedDataParallel(module, **options)
+    return wrapped
+
+
+@contextlib.contextmanager
+def wrapping(engine: Engine = "torch", **engine_options: Any) -> Iterator[None]:
+    """Make :func:`wrap` shard modules with ``engine`` and ``engine_options`` inside the block.
+
+    For ``"torch"`` and ``"fairscale"`` this also enters the library's own ``enable_wrap``
+    context, so model code that calls ``torch.distributed.fsdp.wrap.wrap`` or
+    ``fairscale.nn.wrap.wrap`` directly is covered too. Wrap the root last (``wrap(model)``
+    inside the block, or :func:`shard` with no policy after it).
+
+    Args:
+        engine: ``"torch"``, ``"fsdp2"`` or ``"fairscale"``.
+        **engine_options: As for :func:`shard`.
+
+    Raises:
+        ValueError: Unknown engine.
+        EngineUnavailableError: ``"fairscale"`` without CUDA.
+        RuntimeError: No process group, or already inside a :func:`wrapping` block.
+
+    Examples:
+        >>> with wrapping(engine="fairscale"):  # doctest: +SKIP
+        ...     model.block = wrap(model.block)
+        ...     model = wrap(model)
+    """
+    check_engine(engine)
+    if _ACTIVE.get() is not None:
+        raise RuntimeError("wrapping() blocks do not nest; leave the active block first")
+    _check_process_group("wrapping()")
+    options = dict(engine_options)
+    library_context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if engine == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import enable_wrap as torch_enable_wrap
+
+        options = _torch_defaults(options)
+        library_context = torch_enable_wrap(wrapper_cls=FullyShardedDataParallel, **options)
+    elif engine == "fairscale":
+        from fairscale.nn import FullyShardedDataParallel as FairScaleFSDP
+        from fairscale.nn.wrap import enable_wrap as fairscale_enable_wrap
+
+        library_context = fairscale_enable_wrap(wrapper_cls=FairScaleFSDP, **options)
+    else:
+        options = _fsdp2_defaults(options)
+    token = _ACTIVE.set(_WrapContext(engine, options))
+    try:
+        with library_context:
+            yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
+    """Shard ``module`` as one unit inside a :func:`wrapping` block; return it unchanged outside.
+
+    Args:
+        module: The module to make a unit.
+        **overrides: Engine options for this unit only, over those of the block.
+
+    Returns:
+        The wrapper (``"torch"``, ``"fairscale"``), the module sharded in place (``"fsdp2"``),
+        or ``module`` itself outside a block.
+
+    Examples:
+        >>> layer = nn.Linear(2, 2)
+        >>> wrap(layer) is layer  # no active wrapping() block: nothing happens
+        True
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return module
+    if active.engine == "torch":
+        from torch.distributed.fsdp.wrap import wrap as torch_wrap
+
+        return torch_wrap(module, **overrides)
+    if active.engine == "fairscale":
+        from fairscale.nn.wrap import wrap as fairscale_wrap
+
+        wrapped: nn.Module = fairscale_wrap(module, **overrides)
+        return wrapped
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, **{**active.options, **overrides})
+    return module
