@@ -39,10 +39,32 @@ def _predicate(layers: LayerSelection) -> Callable[[nn.Module], bool]:
     return lambda module: isinstance(module, classes)
 
 
+def _matching_layers(
+    model: nn.Module, matches: Callable[[nn.Module], bool]
+) -> list[tuple[str, bool]]:
+    """(name, already checkpointed) of the outermost matching modules below the root."""
+    from fsdp_guide.describe import is_checkpointed
+
+    found: list[tuple[str, bool]] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            inner = getattr(child, "_checkpoint_wrapped_module", child)
+            if matches(inner):
+                found.append((name, is_checkpointed(child)))
+            else:
+                visit(child, name)
+
+    visit(model, "")
+    return found
+
+
 def checkpointed_names(model: nn.Module, layers: LayerSelection) -> list[str]:
     """Qualified names of the modules :func:`checkpoint_layers` would checkpoint.
 
-    The outermost matching modules below the root, in module order.
+    The outermost matching modules below the root, in module order; modules checkpointed
+    already are listed under their own name (no wrapper attribute in it).
 
     Raises:
         ValueError: If the root itself matches (checkpoint its layers instead) or nothing does.
@@ -64,17 +86,7 @@ def checkpointed_names(model: nn.Module, layers: LayerSelection) -> list[str]:
             "it saves no memory and breaks training. Select its layers instead, e.g. "
             "checkpoint_layers(model, layers=Block)"
         )
-    names: list[str] = []
-
-    def visit(module: nn.Module, prefix: str) -> None:
-        for child_name, child in module.named_children():
-            name = f"{prefix}.{child_name}" if prefix else child_name
-            if matches(child):
-                names.append(name)
-            else:
-                visit(child, name)
-
-    visit(model, "")
+    names = [name for name, _ in _matching_layers(model, matches)]
     if not names:
         raise ValueError(
             f"no module of {type(model).__name__} matches layers={layers!r}; pass the class "
@@ -136,7 +148,8 @@ def checkpoint_layers(
         )
     if offload_to_cpu and implementation == "torch":
         raise ValueError("offload_to_cpu needs implementation='fairscale'")
-    names = checkpointed_names(model, layers)
+    checkpointed_names(model, layers)  # validates: root refused, something selected
+    names = [name for name, done in _matching_layers(model, _predicate(layers)) if not done]
     if implementation == "fairscale":
         from fairscale.nn.checkpoint import checkpoint_wrapper as fairscale_checkpoint
 

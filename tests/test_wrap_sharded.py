@@ -114,7 +114,8 @@ def reference_losses() -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     losses = []
     for step in range(STEPS):
-        loss = loss_fn(model, synthetic_batch("transformer", GLOBAL_BATCH, step=step, config=CONFIG))
+        batch = synthetic_batch("transformer", GLOBAL_BATCH, step=step, config=CONFIG)
+        loss = loss_fn(model, batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
