@@ -150,12 +150,26 @@ def shard(
         RuntimeError: No process group is initialised.
 
     Examples:
-        Sharding needs ranks; the checks run before anything happens:
+        Sharding needs a process group; the checks run before anything happens:
 
         >>> shard(nn.Linear(2, 2), engine="fsdp2")
         Traceback (most recent call last):
         ...
         RuntimeError: shard() needs a torch.distributed process group: call it inside ...
+
+        On ranks (here a single one, in this process), each Block becomes a unit:
+
+        >>> import torch.distributed as dist
+        >>> from fsdp_guide import dist_init, find_free_port
+        >>> from fsdp_guide.describe import sharded_units
+        >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
+        >>> from fsdp_guide.wrap_policy import LayerPolicy
+        >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())
+        >>> model = TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2))
+        >>> model = shard(model, engine="fsdp2", policy=LayerPolicy(Block))
+        >>> sharded_units(model)
+        {'': ('fsdp2', 17472), 'blocks.0': ('fsdp2', 12704), 'blocks.1': ('fsdp2', 12704)}
+        >>> dist.destroy_process_group()
     """
     check_engine(engine)
     if not isinstance(module, nn.Module):
@@ -226,9 +240,22 @@ def wrapping(engine: Engine = "torch", **engine_options: Any) -> Iterator[None]:
         RuntimeError: No process group, or already inside a :func:`wrapping` block.
 
     Examples:
-        >>> with wrapping(engine="fairscale"):  # doctest: +SKIP
-        ...     model.block = wrap(model.block)
+        On a single rank, in this process:
+
+        >>> import torch.distributed as dist
+        >>> from fsdp_guide import dist_init, find_free_port
+        >>> from fsdp_guide.describe import describe
+        >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> with wrapping(engine="fsdp2"):
+        ...     model[0] = wrap(model[0])
         ...     model = wrap(model)
+        >>> print(describe(model))
+        (root): Sequential  [unit: fsdp2, 18 params]
+          0: Linear  [unit: fsdp2, 72 params]
+          1: ReLU
+          2: Linear
+        >>> dist.destroy_process_group()
     """
     check_engine(engine)
     if _ACTIVE.get() is not None:
