@@ -12,11 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from fsdp_guide.wrap_policy import LayerPolicy
 
-__all__ = ["CheckpointImplementation", "checkpoint_layers", "checkpointed_names"]
+__all__ = [
+    "CheckpointImplementation",
+    "checkpoint_layers",
+    "checkpointed_names",
+    "saved_activation_bytes",
+]
 
 CheckpointImplementation = Literal["torch", "fairscale"]
 LayerSelection = (
@@ -169,3 +175,38 @@ def checkpoint_layers(
         )
         setattr(parent, child_name, wrapped)
     return model
+
+
+def saved_activation_bytes(model: nn.Module, forward: Callable[[], Tensor]) -> tuple[int, Tensor]:
+    """Bytes of the tensors autograd keeps for backward while ``forward()`` runs.
+
+    Counted with :func:`torch.autograd.graph.saved_tensors_hooks`, each storage once, the
+    parameters of ``model`` left out: what activation checkpointing is about. A
+    checkpointed layer keeps only its inputs.
+
+    Args:
+        model: The model whose parameters are not counted.
+        forward: Runs the forward pass (and the loss) and returns its output.
+
+    Returns:
+        The bytes and the output of ``forward()`` (to call ``backward`` on).
+
+    Examples:
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> x = torch.randn(16, 4)
+        >>> nbytes, out = saved_activation_bytes(model, lambda: model(x).sum())
+        >>> nbytes  # x (16x4), the ReLU output (16x8): float32
+        768
+    """
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameter_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = forward()
+    return sum(saved.values()), out

@@ -8,7 +8,8 @@ gathers the helpers, which live in smaller modules:
   their union ``a | b`` / :func:`any_of`, usable with FairScale, FSDP1 and FSDP2;
 * sharding (:mod:`fsdp_guide.wrap_engines`): :func:`shard` with a policy, and manual
   wrapping with :func:`wrapping` and :func:`wrap`;
-* :func:`checkpoint_layers` (:mod:`fsdp_guide.activation_checkpointing`);
+* :func:`checkpoint_layers` and :func:`saved_activation_bytes`
+  (:mod:`fsdp_guide.activation_checkpointing`);
 * :func:`describe` and :func:`sharded_units` (:mod:`fsdp_guide.describe`);
 * :func:`check_optimizer` (:mod:`fsdp_guide.optimizer_check`).
 
@@ -33,6 +34,7 @@ from fsdp_guide.activation_checkpointing import (
     CheckpointImplementation,
     checkpoint_layers,
     checkpointed_names,
+    saved_activation_bytes,
 )
 from fsdp_guide.describe import ModuleNode, describe, is_checkpointed, module_tree, sharded_units
 from fsdp_guide.optimizer_check import OptimizerMismatchError, check_optimizer
@@ -73,6 +75,7 @@ __all__ = [
     "describe",
     "is_checkpointed",
     "module_tree",
+    "saved_activation_bytes",
     "selected_modules",
     "shard",
     "sharded_units",
