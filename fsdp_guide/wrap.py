@@ -6,8 +6,8 @@ gathers the helpers, which live in smaller modules:
 
 * policies (:mod:`fsdp_guide.wrap_policy`): :class:`SizePolicy`, :class:`LayerPolicy`,
   their union ``a | b`` / :func:`any_of`, usable with FairScale, FSDP1 and FSDP2;
-* sharding (:mod:`fsdp_guide.wrap_engines`): :func:`shard` with a policy, and manual
-  wrapping with :func:`wrapping` and :func:`wrap`;
+* sharding: :func:`shard` with a policy (:mod:`fsdp_guide.wrap_engines`), and manual
+  wrapping with :func:`wrapping` and :func:`wrap` (:mod:`fsdp_guide.wrap_manual`);
 * :func:`checkpoint_layers` and :func:`saved_activation_bytes`
   (:mod:`fsdp_guide.activation_checkpointing`);
 * :func:`describe` and :func:`sharded_units` (:mod:`fsdp_guide.describe`);
@@ -38,15 +38,8 @@ from fsdp_guide.activation_checkpointing import (
 )
 from fsdp_guide.describe import ModuleNode, describe, is_checkpointed, module_tree, sharded_units
 from fsdp_guide.optimizer_check import OptimizerMismatchError, check_optimizer
-from fsdp_guide.wrap_engines import (
-    ENGINES,
-    Engine,
-    EngineUnavailableError,
-    check_engine,
-    shard,
-    wrap,
-    wrapping,
-)
+from fsdp_guide.wrap_engines import ENGINES, Engine, EngineUnavailableError, check_engine, shard
+from fsdp_guide.wrap_manual import wrap, wrapping
 from fsdp_guide.wrap_policy import (
     AnyOf,
     LayerPolicy,

@@ -1,18 +1,13 @@
-"""Shard a model with one of three engines: :func:`shard`, :func:`wrapping` and :func:`wrap`.
+"""Shard a model with one of three engines: :func:`shard`.
 
 ``"fairscale"`` is FairScale's ``FullyShardedDataParallel`` (CUDA only), ``"torch"`` is PyTorch's
 FSDP1 ``FullyShardedDataParallel``, ``"fsdp2"`` is PyTorch's ``fully_shard``. :func:`shard`
-wraps a whole model following a :class:`~fsdp_guide.wrap_policy.WrapPolicy`; :func:`wrapping`
-and :func:`wrap` let model code pick its units by hand, and do nothing when no engine is active,
-so the same model code runs sharded or not (Lightning's ``configure_sharded_model`` idea).
+wraps a whole model following a :class:`~fsdp_guide.wrap_policy.WrapPolicy`; manual wrapping
+lives in :mod:`fsdp_guide.wrap_manual`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -20,15 +15,7 @@ from torch import nn
 
 from fsdp_guide.wrap_policy import WrapPolicy, selected_modules
 
-__all__ = [
-    "ENGINES",
-    "Engine",
-    "EngineUnavailableError",
-    "check_engine",
-    "shard",
-    "wrap",
-    "wrapping",
-]
+__all__ = ["ENGINES", "Engine", "EngineUnavailableError", "check_engine", "shard"]
 
 Engine = Literal["fairscale", "torch", "fsdp2"]
 ENGINES: tuple[str, ...] = ("fairscale", "torch", "fsdp2")
@@ -36,15 +23,6 @@ ENGINES: tuple[str, ...] = ("fairscale", "torch", "fsdp2")
 
 class EngineUnavailableError(RuntimeError):
     """The engine cannot run on this machine (FairScale's FSDP without CUDA)."""
-
-
-@dataclass
-class _WrapContext:
-    engine: str
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-_ACTIVE: ContextVar[_WrapContext | None] = ContextVar("fsdp_guide_wrap_context", default=None)
 
 
 def check_engine(engine: object) -> str:
@@ -144,7 +122,8 @@ def shard(
         itself (changed in place) for ``"fsdp2"``.
 
     Raises:
-        ValueError: Unknown engine; a policy given for a model that already has units.
+        ValueError: Unknown engine; a policy given for a model that already has units;
+            ``auto_wrap_policy`` among the engine options.
         EngineUnavailableError: ``"fairscale"`` without CUDA (raised before anything else).
         TypeError: ``module`` is not a Module or ``policy`` not a WrapPolicy.
         RuntimeError: No process group is initialised.
@@ -178,6 +157,11 @@ def shard(
         raise TypeError(
             f"policy must be a WrapPolicy such as SizePolicy(100_000) or LayerPolicy(Block), "
             f"got {policy!r}"
+        )
+    if "auto_wrap_policy" in engine_options:
+        raise ValueError(
+            "pass the wrap policy as policy=SizePolicy(...) / LayerPolicy(...), not as "
+            "auto_wrap_policy: shard() converts it for the engine"
         )
     if policy is not None and _has_units(module):
         raise ValueError(
@@ -219,100 +203,3 @@ def _shard_fairscale(
             module = auto_wrap(module)
     wrapped: nn.Module = FullyShardedDataParallel(module, **options)
     return wrapped
-
-
-@contextlib.contextmanager
-def wrapping(engine: Engine = "torch", **engine_options: Any) -> Iterator[None]:
-    """Make :func:`wrap` shard modules with ``engine`` and ``engine_options`` inside the block.
-
-    For ``"torch"`` and ``"fairscale"`` this also enters the library's own ``enable_wrap``
-    context, so model code that calls ``torch.distributed.fsdp.wrap.wrap`` or
-    ``fairscale.nn.wrap.wrap`` directly is covered too. Wrap the root last (``wrap(model)``
-    inside the block, or :func:`shard` with no policy after it).
-
-    Args:
-        engine: ``"torch"``, ``"fsdp2"`` or ``"fairscale"``.
-        **engine_options: As for :func:`shard`.
-
-    Raises:
-        ValueError: Unknown engine.
-        EngineUnavailableError: ``"fairscale"`` without CUDA.
-        RuntimeError: No process group, or already inside a :func:`wrapping` block.
-
-    Examples:
-        On a single rank, in this process:
-
-        >>> import torch.distributed as dist
-        >>> from fsdp_guide import dist_init, find_free_port
-        >>> from fsdp_guide.describe import describe
-        >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())
-        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-        >>> with wrapping(engine="fsdp2"):
-        ...     model[0] = wrap(model[0])
-        ...     model = wrap(model)
-        >>> print(describe(model))
-        (root): Sequential  [unit: fsdp2, 18 params]
-          0: Linear  [unit: fsdp2, 72 params]
-          1: ReLU
-          2: Linear
-        >>> dist.destroy_process_group()
-    """
-    check_engine(engine)
-    if _ACTIVE.get() is not None:
-        raise RuntimeError("wrapping() blocks do not nest; leave the active block first")
-    _check_process_group("wrapping()")
-    options = dict(engine_options)
-    library_context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if engine == "torch":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp.wrap import enable_wrap as torch_enable_wrap
-
-        options = _torch_defaults(options)
-        library_context = torch_enable_wrap(wrapper_cls=FullyShardedDataParallel, **options)
-    elif engine == "fairscale":
-        from fairscale.nn import FullyShardedDataParallel as FairScaleFSDP
-        from fairscale.nn.wrap import enable_wrap as fairscale_enable_wrap
-
-        library_context = fairscale_enable_wrap(wrapper_cls=FairScaleFSDP, **options)
-    else:
-        options = _fsdp2_defaults(options)
-    token = _ACTIVE.set(_WrapContext(engine, options))
-    try:
-        with library_context:
-            yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
-    """Shard ``module`` as one unit inside a :func:`wrapping` block; return it unchanged outside.
-
-    Args:
-        module: The module to make a unit.
-        **overrides: Engine options for this unit only, over those of the block.
-
-    Returns:
-        The wrapper (``"torch"``, ``"fairscale"``), the module sharded in place (``"fsdp2"``),
-        or ``module`` itself outside a block.
-
-    Examples:
-        >>> layer = nn.Linear(2, 2)
-        >>> wrap(layer) is layer  # no active wrapping() block: nothing happens
-        True
-    """
-    active = _ACTIVE.get()
-    if active is None:
-        return module
-    if active.engine == "torch":
-        from torch.distributed.fsdp.wrap import wrap as torch_wrap
-
-        return torch_wrap(module, **overrides)
-    if active.engine == "fairscale":
-        from fairscale.nn.wrap import wrap as fairscale_wrap
-
-        wrapped: nn.Module = fairscale_wrap(module, **overrides)
-        return wrapped
-    from torch.distributed.fsdp import fully_shard
-
-    fully_shard(module, **{**active.options, **overrides})
-    return module

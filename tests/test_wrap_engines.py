@@ -74,6 +74,11 @@ def test_fairscale_wrapping_without_cuda_is_refused() -> None:
         ({"engine": "ddp"}, ValueError, "unknown engine 'ddp'; choose one of 'fairscale', 'torch'"),
         ({"engine": "torch", "module": nn.Linear}, TypeError, "takes an nn.Module, got type"),
         ({"engine": "fsdp2", "policy": Block}, TypeError, "policy must be a WrapPolicy such as"),
+        (
+            {"engine": "torch", "auto_wrap_policy": LayerPolicy(Block).for_torch()},
+            ValueError,
+            r"pass the wrap policy as policy=SizePolicy\(...\) / LayerPolicy",
+        ),
         ({"engine": "fsdp2"}, RuntimeError, r"inside a function run by fsdp_guide.launch"),
         ({"engine": "torch"}, RuntimeError, r"needs a torch.distributed process group"),
     ],
