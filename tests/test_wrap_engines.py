@@ -20,6 +20,8 @@ from fsdp_guide.wrap import (
     EngineUnavailableError,
     LayerPolicy,
     OptimizerMismatchError,
+    SizePolicy,
+    WrapPolicy,
     check_optimizer,
     describe,
     shard,
@@ -185,3 +187,30 @@ def test_optimizer_missing_parameters_is_caught() -> None:
 def test_check_optimizer_types(model: Any, optimizer: Any, match: str) -> None:
     with pytest.raises(TypeError, match=match):
         check_optimizer(model, optimizer)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize(
+    "policy",
+    [LayerPolicy(Block), SizePolicy(2_000), LayerPolicy(nn.Embedding) | SizePolicy(10_000)],
+)
+def test_describe_reads_fairscale_units(policy: WrapPolicy) -> None:
+    """FairScale's FSDP can be built (not run) on CPU: enough to check what describe reads."""
+    from fairscale.nn import FullyShardedDataParallel
+    from fairscale.nn.wrap import auto_wrap, enable_wrap
+
+    cpu = torch.device("cpu")
+    with enable_wrap(
+        wrapper_cls=FullyShardedDataParallel,
+        auto_wrap_policy=policy.for_fairscale(),
+        compute_device=cpu,
+    ):
+        inner = auto_wrap(build())
+    model = FullyShardedDataParallel(inner, compute_device=cpu)
+    units = sharded_units(model)
+    planned = sharded_units(build(), policy=policy)
+    assert {name: n for name, (_, n) in units.items()} == {
+        name: n for name, (_, n) in planned.items()
+    }
+    assert {kind for kind, _ in units.values()} == {"fairscale"}
+    assert describe(model).count("[unit: fairscale,") == len(planned)
