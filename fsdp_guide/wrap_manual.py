@@ -102,6 +102,10 @@ def wrapping(engine: Engine = "torch", **engine_options: Any) -> Iterator[None]:
 def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
     """Shard ``module`` as one unit inside a :func:`wrapping` block; return it unchanged outside.
 
+    It dispatches on the block's engine, so it avoids a trap of mixing libraries: PyTorch's
+    ``torch.distributed.fsdp.wrap.wrap`` inside FairScale's ``enable_wrap`` (or the other
+    way round) silently returns the module unwrapped.
+
     Args:
         module: The module to make a unit.
         **overrides: Engine options for this unit only, over those of the block.
