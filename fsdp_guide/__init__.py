@@ -10,18 +10,34 @@ from typing import Any
 
 from fsdp_guide.errors import LaunchError, LaunchTimeout, RankError
 from fsdp_guide.launch import dist_init, find_free_port, launch
+from fsdp_guide.wrap import (
+    LayerPolicy,
+    SizePolicy,
+    any_of,
+    check_optimizer,
+    checkpoint_layers,
+    describe,
+    shard,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LaunchError",
     "LaunchTimeout",
+    "LayerPolicy",
     "RankError",
+    "SizePolicy",
     "__version__",
+    "any_of",
+    "check_optimizer",
+    "checkpoint_layers",
+    "describe",
     "dist_init",
     "find_free_port",
     "launch",
     "load_ipython_extension",
+    "shard",
 ]
 
 

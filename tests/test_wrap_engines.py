@@ -1,0 +1,216 @@
+"""shard(), wrapping()/wrap() and check_optimizer(): errors, and behaviour on a 1-rank group.
+
+The 1-rank gloo group lives in the test process (fast); the 2-rank runs are in
+test_wrap_sharded.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_guide import dist_init, find_free_port
+from fsdp_guide.models import Block, TinyTransformer, TransformerConfig, count_params
+from fsdp_guide.wrap import (
+    EngineUnavailableError,
+    LayerPolicy,
+    OptimizerMismatchError,
+    SizePolicy,
+    WrapPolicy,
+    check_optimizer,
+    describe,
+    shard,
+    sharded_units,
+    wrap,
+    wrapping,
+)
+
+CONFIG = TransformerConfig(vocab_size=64, dim=32, n_heads=2, n_layers=2, seq_len=16)
+CPU_ENGINES = ["torch", "fsdp2"]
+
+
+def build() -> TinyTransformer:
+    torch.manual_seed(0)
+    return TinyTransformer(CONFIG)
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    dist_init(0, 1, backend="gloo", master_port=find_free_port())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+FAIRSCALE_ON_CPU = r"needs CUDA.*use engine='torch' \(PyTorch FSDP1\) or engine='fsdp2'"
+
+
+@pytest.mark.usefixtures("no_cuda")
+@pytest.mark.parametrize("module", [build(), "not a module", None])
+def test_fairscale_without_cuda_is_refused_first(module: Any) -> None:
+    # Even with a bad module and no process group, the engine error comes first.
+    with pytest.raises(EngineUnavailableError, match=FAIRSCALE_ON_CPU):
+        shard(module, engine="fairscale", policy=LayerPolicy(Block))
+
+
+@pytest.mark.usefixtures("no_cuda")
+def test_fairscale_wrapping_without_cuda_is_refused() -> None:
+    with pytest.raises(EngineUnavailableError, match=FAIRSCALE_ON_CPU), wrapping("fairscale"):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"engine": "ddp"}, ValueError, "unknown engine 'ddp'; choose one of 'fairscale', 'torch'"),
+        ({"engine": "torch", "module": nn.Linear}, TypeError, "takes an nn.Module, got type"),
+        ({"engine": "fsdp2", "policy": Block}, TypeError, "policy must be a WrapPolicy such as"),
+        (
+            {"engine": "torch", "auto_wrap_policy": LayerPolicy(Block).for_torch()},
+            ValueError,
+            r"pass the wrap policy as policy=SizePolicy\(...\) / LayerPolicy",
+        ),
+        ({"engine": "fsdp2"}, RuntimeError, r"inside a function run by fsdp_guide.launch"),
+        ({"engine": "torch"}, RuntimeError, r"needs a torch.distributed process group"),
+    ],
+)
+def test_bad_shard_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
+    kwargs = {"module": build(), **kwargs}
+    with pytest.raises(error, match=match):
+        shard(**kwargs)
+
+
+def test_wrapping_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match=r"wrapping\(\) needs a torch.distributed"), wrapping():
+        pass
+
+
+def test_wrap_outside_a_block_returns_the_module_unchanged() -> None:
+    model = build()
+    before = {name: p for name, p in model.named_parameters()}
+    assert wrap(model.blocks[0]) is model.blocks[0]
+    assert wrap(model) is model
+    assert dict(model.named_parameters()) == before
+    assert not sharded_units(model)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("engine", CPU_ENGINES)
+def test_manual_wrap_inside_block_and_no_op_after(engine: str) -> None:
+    model = build()
+    with wrapping(engine=engine):  # type: ignore[arg-type]
+        model.blocks[0] = wrap(model.blocks[0])
+        model = wrap(model)
+    after = wrap(model.head)
+    assert after is model.head or after is getattr(model, "module", model).head
+    units = sharded_units(model)
+    assert set(units) == {"", "blocks.0"}
+    assert {kind for kind, _ in units.values()} == {engine}
+    assert units["blocks.0"][1] == count_params(build().blocks[0])
+    assert sum(n for _, n in units.values()) == count_params(build())
+    assert "0: Block  [unit: " + engine in describe(model)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_wrapping_blocks_do_not_nest() -> None:
+    with (
+        wrapping(engine="fsdp2"),
+        pytest.raises(RuntimeError, match="do not nest"),
+        wrapping(engine="fsdp2"),
+    ):
+        pass
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("engine", CPU_ENGINES)
+def test_policy_on_a_model_wrapped_by_hand_is_refused(engine: str) -> None:
+    model = build()
+    with wrapping(engine=engine):  # type: ignore[arg-type]
+        model.blocks[0] = wrap(model.blocks[0])
+    with pytest.raises(ValueError, match=r"already has FSDP units.*Pass policy=None"):
+        shard(model, engine=engine, policy=LayerPolicy(Block))  # type: ignore[arg-type]
+    root = shard(model, engine=engine)  # type: ignore[arg-type]
+    assert set(sharded_units(root)) == {"", "blocks.0"}
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("engine", CPU_ENGINES)
+def test_optimizer_built_before_wrapping_is_caught(engine: str) -> None:
+    model = build()
+    early = torch.optim.AdamW(model.parameters(), lr=1e-3)  # the classic mistake
+    sharded = shard(model, engine=engine, policy=LayerPolicy(Block))  # type: ignore[arg-type]
+    with pytest.raises(OptimizerMismatchError, match=r"built from the unwrapped model.*Build the"):
+        check_optimizer(sharded, early)
+    check_optimizer(sharded, torch.optim.AdamW(sharded.parameters(), lr=1e-3))
+
+
+def test_optimizer_with_no_parameters_is_caught() -> None:
+    model = build()
+    empty = torch.optim.SGD([{"params": []}], lr=0.1)
+    with pytest.raises(OptimizerMismatchError, match=r"holds no parameters.*Build the optimizer"):
+        check_optimizer(model, empty)
+
+
+def test_optimizer_missing_parameters_is_caught() -> None:
+    model = build()
+    partial = torch.optim.SGD(model.blocks.parameters(), lr=0.1)
+    with pytest.raises(
+        OptimizerMismatchError,
+        match=r"5 trainable parameter\(s\).*\(tok_emb.weight, pos_emb.weight, ln_f.weight, ",
+    ):
+        check_optimizer(model, partial)
+    model.tok_emb.requires_grad_(False)
+    model.pos_emb.requires_grad_(False)
+    model.ln_f.requires_grad_(False)
+    model.head.requires_grad_(False)
+    check_optimizer(model, partial)  # frozen parameters need no optimizer
+
+
+@pytest.mark.parametrize(
+    ("model", "optimizer", "match"),
+    [
+        ("model", torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1), "model must be"),
+        (nn.Linear(1, 1), "adam", "optimizer must be a torch.optim.Optimizer"),
+    ],
+)
+def test_check_optimizer_types(model: Any, optimizer: Any, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        check_optimizer(model, optimizer)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize(
+    "policy",
+    [LayerPolicy(Block), SizePolicy(2_000), LayerPolicy(nn.Embedding) | SizePolicy(10_000)],
+)
+def test_describe_reads_fairscale_units(policy: WrapPolicy) -> None:
+    """FairScale's FSDP can be built (not run) on CPU: enough to check what describe reads."""
+    from fairscale.nn import FullyShardedDataParallel
+    from fairscale.nn.wrap import auto_wrap, enable_wrap
+
+    cpu = torch.device("cpu")
+    with enable_wrap(
+        wrapper_cls=FullyShardedDataParallel,
+        auto_wrap_policy=policy.for_fairscale(),
+        compute_device=cpu,
+    ):
+        inner = auto_wrap(build())
+    model = FullyShardedDataParallel(inner, compute_device=cpu)
+    units = sharded_units(model)
+    planned = sharded_units(build(), policy=policy)
+    assert {name: n for name, (_, n) in units.items()} == {
+        name: n for name, (_, n) in planned.items()
+    }
+    assert {kind for kind, _ in units.values()} == {"fairscale"}
+    assert describe(model).count("[unit: fairscale,") == len(planned)
