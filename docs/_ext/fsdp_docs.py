@@ -309,7 +309,9 @@ def resolve_through_python(app: Any, env: Any, node: Any, contnode: Any) -> Any:
         if canonical == candidate or not canonical.startswith(f"{PACKAGE}."):
             continue
         for role in (node["reftype"], "obj"):
-            found = py.resolve_xref(env, node["refdoc"], app.builder, role, canonical, node, contnode)
+            found = py.resolve_xref(
+                env, node["refdoc"], app.builder, role, canonical, node, contnode
+            )
             if found is not None:
                 return found
     return None
