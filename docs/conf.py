@@ -110,6 +110,11 @@ nitpick_ignore_regex = [
 suppress_warnings = ["myst.header"]
 
 # -- HTML ---------------------------------------------------------------------------------
+# "[source]" links. Following imports would send data such as ``__version__`` (a str) to a
+# page for ``builtins`` that viewcode lists but never writes; nothing here is re-exported
+# under another name in the API pages, so there is nothing to follow.
+viewcode_follow_imported_members = False
+
 html_theme = "sphinx_book_theme"
 html_title = "fsdp-guide"
 html_static_path = ["_static"]

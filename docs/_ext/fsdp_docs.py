@@ -20,6 +20,7 @@ Files are only rewritten when their content changes, so incremental builds stay 
 from __future__ import annotations
 
 import importlib
+import inspect
 import io
 import pkgutil
 import re
@@ -84,6 +85,24 @@ def defining_module(module_name: str, name: str, modules: list[str]) -> str | No
     return origin if name in public_names(origin) else None
 
 
+def _data_entry(module: Any, name: str) -> str:
+    """reST for module data: ``autodata`` when it has a ``#:`` comment, else its value.
+
+    autodoc's member scan skips undocumented module data (type aliases, ``__version__``)
+    and ``autodata`` would show the docstring of the value's class (``str``) instead.
+    """
+    from sphinx.pycode import ModuleAnalyzer
+
+    try:
+        documented = ("", name) in ModuleAnalyzer.for_module(module.__name__).find_attr_docs()
+    except Exception:  # no source to analyse
+        documented = False
+    if documented:
+        return f".. autodata:: {module.__name__}.{name}\n"
+    value = repr(getattr(module, name)).replace("typing.", "")
+    return f".. py:data:: {name}\n   :module: {module.__name__}\n   :value: {value}\n"
+
+
 def module_page(module_name: str, modules: list[str]) -> str:
     """MyST source of the API page of one module."""
     own: list[str] = []
@@ -94,15 +113,19 @@ def module_page(module_name: str, modules: list[str]) -> str:
             own.append(name)
         else:
             reexported.append((name, origin))
+    module = importlib.import_module(module_name)
+    data = [
+        name
+        for name in own
+        if not (inspect.isclass(getattr(module, name)) or inspect.isroutine(getattr(module, name)))
+    ]
+    members = [name for name in own if name not in data]
     rst = [f".. automodule:: {module_name}"]
-    plain = [name for name in own if not name.startswith("__")]
-    specials = [name for name in own if name.startswith("__")]
-    # Explicit lists (never a bare :members:): exactly the public names, in __all__ order.
-    rst.append(f"   :members: {', '.join(plain)}" if plain else "   :no-members:")
-    if specials:
-        rst.append(f"   :special-members: {', '.join(specials)}")
-    rst += ["   :undoc-members:", "   :show-inheritance:", "   :member-order: bysource"]
-    page = f"# `{module_name}`\n\n```{{eval-rst}}\n" + "\n".join(rst) + "\n```\n"
+    # An explicit list (never a bare :members:): exactly the public names, in __all__ order.
+    rst.append(f"   :members: {', '.join(members)}" if members else "   :no-members:")
+    rst += ["   :undoc-members:", "   :show-inheritance:", "   :member-order: bysource", ""]
+    rst += [_data_entry(module, name) for name in data]
+    page = f"# `{module_name}`\n\n```{{eval-rst}}\n" + "\n".join(rst) + "```\n"
     if reexported:
         rows = "\n".join(
             f"| `{name}` | {{py:obj}}`{origin}.{name}` |" for name, origin in reexported
