@@ -118,6 +118,7 @@ viewcode_follow_imported_members = False
 html_theme = "sphinx_book_theme"
 html_title = "fsdp-guide"
 html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_theme_options = {
     "use_download_button": True,  # notebooks download as .ipynb from every lesson page
     "use_fullscreen_button": True,

@@ -48,11 +48,17 @@ def write_if_changed(path: Path, text: str) -> bool:
     return True
 
 
+def _raise(name: str) -> None:
+    raise ImportError(f"cannot import {name} to document it; fix the import error above")
+
+
 def public_modules(package: str = PACKAGE) -> list[str]:
     """Names of the package and of every submodule without a ``_``-prefixed part, sorted."""
     root = importlib.import_module(package)
     names = [package]
-    for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
+    # walk_packages imports sub-packages to look inside; by default it would skip one that
+    # fails to import, and its pages would silently vanish from the site.
+    for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}.", onerror=_raise):
         if any(part.startswith("_") for part in info.name.split(".")):
             continue
         names.append(info.name)
