@@ -61,7 +61,7 @@ def _sources() -> Iterator[Path]:
     generated = {"_build", "_generated", "api", "notebooks"}
     for path in DOCS.rglob("*"):
         parts = path.relative_to(DOCS).parts
-        if path.is_file() and not (parts and parts[0] in generated):
+        if path.is_file() and not (parts[0] in generated or "__pycache__" in parts):
             yield path
     yield from NOTEBOOKS.glob("*.ipynb")
     yield from (REPO / "fsdp_guide").rglob("*.py")
