@@ -564,3 +564,20 @@ def test_cli_help_renders_every_sub_command() -> None:
     text = _generator().render_cli_help(parser)
     assert "usage: tool first [-h] [--alpha ALPHA]" in text
     assert "## `second`" in text and "usage: tool second" in text
+
+
+@pytest.mark.parametrize(
+    ("target", "module", "external"),
+    [
+        ("linecache", None, True),  # a standard-library module
+        ("Ellipsis", None, True),  # a builtin
+        ("Tensor", "fsdp_guide.models", True),  # imported there from torch
+        ("RankError", "fsdp_guide.models", False),  # ours, but not reachable from there
+        ("RankErorr", "fsdp_guide.launch", False),  # a typo must stay a broken reference
+        ("fsdp_guide.nothing", None, False),
+    ],
+)
+def test_only_third_party_names_are_kept_quiet(
+    target: str, module: str | None, external: bool
+) -> None:
+    assert _generator().is_external_name(target, module) is external
