@@ -35,7 +35,8 @@ extensions = [
     "sphinx.ext.intersphinx",
     "sphinx.ext.viewcode",
     "sphinx_copybutton",
-    "fsdp_docs",
+    "fsdp_docs",  # docs/_ext: pages generated from the repository
+    "fsdp_refs",  # docs/_ext: references resolved through Python's own name lookup
 ]
 
 exclude_patterns = [
@@ -98,7 +99,7 @@ intersphinx_timeout = 30
 nitpicky = True
 _NOT_OURS = r"(?!fsdp_guide\b)[A-Za-z_][\w]*\..*"
 # Unqualified third-party names (``linecache``, ``Ellipsis``, ``Tensor``) are told apart from
-# our own by docs/_ext/fsdp_docs.py (``warn-missing-reference``), which a regex cannot do.
+# our own by docs/_ext/fsdp_refs.py (``warn-missing-reference``), which a regex cannot do.
 nitpick_ignore_regex = [
     (r"py:.*", _NOT_OURS),
     # Private names (``_COMMANDS``) are deliberately not in the API reference.

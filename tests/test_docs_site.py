@@ -69,18 +69,23 @@ def _sources() -> Iterator[Path]:
 
 
 def _site_is_stale() -> bool:
-    stamp = SITE / "searchindex.js"  # rewritten by every build
-    if not stamp.exists():
+    # docs/_ext/fsdp_docs.py writes this marker only after a build without any warning.
+    marker = SITE / ".fsdp-docs-clean-build"
+    if not marker.exists():
         return True
-    built = stamp.stat().st_mtime
+    built = marker.stat().st_mtime
     return any(path.stat().st_mtime > built for path in _sources())
 
 
 @pytest.fixture(scope="module")
 def site() -> Path:
-    """The built HTML site; built here (as CI builds it) when missing or stale."""
+    """The built HTML site; built here (as CI builds it) when missing, stale or not clean.
+
+    The build starts from a fresh environment (-E): an incremental build does not repeat
+    the warnings of pages it does not read again.
+    """
     if _site_is_stale():
-        command = [sys.executable, "-m", "sphinx", "-nW", "--keep-going", "-q", "-b", "html"]
+        command = [sys.executable, "-m", "sphinx", "-nW", "--keep-going", "-E", "-q", "-b", "html"]
         env = {**os.environ, "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
         started = time.monotonic()
         done = subprocess.run(
@@ -92,6 +97,7 @@ def site() -> Path:
             timeout=600,
         )
         assert done.returncode == 0, f"docs build failed:\n{done.stdout}\n{done.stderr}"
+        assert not _site_is_stale(), "the build passed but left no clean-build marker"
         print(f"built the docs in {time.monotonic() - started:.1f} s")
     return SITE
 
@@ -465,13 +471,17 @@ def test_migration_page_maps_old_names(site: Path, old_name: str) -> None:
 # -- the generator (docs/_ext/fsdp_docs.py), without a full build ------------------------
 
 
-def _generator() -> ModuleType:
-    """docs/_ext/fsdp_docs.py, loaded from its file."""
-    spec = importlib.util.spec_from_file_location("fsdp_docs", DOCS / "_ext" / "fsdp_docs.py")
+def _extension(name: str) -> ModuleType:
+    """docs/_ext/<name>.py, loaded from its file."""
+    spec = importlib.util.spec_from_file_location(name, DOCS / "_ext" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _generator() -> ModuleType:
+    return _extension("fsdp_docs")
 
 
 def _write_notebook(path: Path, title: str) -> None:
@@ -580,4 +590,4 @@ def test_cli_help_renders_every_sub_command() -> None:
 def test_only_third_party_names_are_kept_quiet(
     target: str, module: str | None, external: bool
 ) -> None:
-    assert _generator().is_external_name(target, module) is external
+    assert _extension("fsdp_refs").is_external_name(target, module) is external

@@ -19,9 +19,7 @@ Files are only rewritten when their content changes, so incremental builds stay 
 
 from __future__ import annotations
 
-import builtins
 import importlib
-import importlib.util
 import inspect
 import io
 import pkgutil
@@ -297,95 +295,25 @@ def generate_all(app: Any = None) -> None:
     generate_result_pages(REPO_DIR / "benchmarks" / "results", generated, DOCS_DIR)
 
 
-def _lookup(dotted: str) -> Any:
-    """The object that Python finds at ``dotted`` (a module, then attributes), else None."""
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            value: Any = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        try:
-            for attribute in parts[cut:]:
-                value = getattr(value, attribute)
-        except AttributeError:
-            return None
-        return value
-    return None
+# Written into the output folder by a build that ended without a warning; the site tests
+# rebuild when it is missing or older than a source (a --keep-going build that warned
+# still writes every page, which must not pass for a good site).
+CLEAN_BUILD_MARKER = ".fsdp-docs-clean-build"
 
 
-def resolve_through_python(app: Any, env: Any, node: Any, contnode: Any) -> Any:
-    """Resolve a reference to one of our names the way Python would (``missing-reference``).
-
-    A docstring may name an object by where it is importable from (``:class:`LaunchTimeout```
-    in a module that imports it, or ``fsdp_guide.launch`` for the function the package
-    re-exports), while the API reference documents it once, where it is defined. This
-    finds the object and links to that canonical entry.
-    """
-    if node.get("refdomain") != "py":
-        return None
-    target: str = node["reftarget"].lstrip("~.")
-    module = node.get("py:module") or ""
-    candidates = [target] if target.startswith(f"{PACKAGE}.") else []
-    if module.startswith(PACKAGE):
-        candidates.append(f"{module}.{target}")
-    py = env.get_domain("py")
-    for candidate in candidates:
-        value = _lookup(candidate)
-        origin = getattr(value, "__module__", None)
-        qualname = getattr(value, "__qualname__", None)
-        if not isinstance(origin, str) or not isinstance(qualname, str):
-            continue
-        canonical = f"{origin}.{qualname}"
-        if canonical == candidate or not canonical.startswith(f"{PACKAGE}."):
-            continue
-        for role in (node["reftype"], "obj"):
-            found = py.resolve_xref(
-                env, node["refdoc"], app.builder, role, canonical, node, contnode
-            )
-            if found is not None:
-                return found
-    return None
+def _forget_clean_build(app: Any) -> None:
+    (Path(app.outdir) / CLEAN_BUILD_MARKER).unlink(missing_ok=True)
 
 
-def is_external_name(target: str, module: str | None) -> bool:
-    """Whether an unqualified reference names something outside ``fsdp_guide``.
-
-    True for a top-level module (``linecache``), a builtin (``Ellipsis``), or a name that
-    the current module imported from another project (``Tensor`` in ``fsdp_guide.models``).
-    A name found nowhere stays a broken reference: it is probably ours, misspelled.
-    """
-    if target.split(".")[0] == PACKAGE:
-        return False
-    if hasattr(builtins, target):
-        return True
-    try:
-        if importlib.util.find_spec(target.split(".")[0]) is not None:
-            return True
-    except (ImportError, ValueError):
-        pass
-    if module and module.startswith(PACKAGE):
-        origin = getattr(_lookup(f"{module}.{target}"), "__module__", None)
-        return isinstance(origin, str) and not origin.startswith(PACKAGE)
-    return False
-
-
-def quiet_external_reference(app: Any, domain: Any, node: Any) -> bool | None:
-    """Keep nitpicky quiet about unqualified third-party names (``warn-missing-reference``).
-
-    Dotted third-party targets are covered by ``nitpick_ignore_regex`` in conf.py; this
-    handles the unqualified ones, which a regex cannot tell apart from our own names.
-    """
-    if domain is None or domain.name != "py":
-        return None
-    if is_external_name(node["reftarget"].lstrip("~."), node.get("py:module")):
-        return True
-    return None
+def _mark_clean_build(app: Any, exception: BaseException | None) -> None:
+    warnings = getattr(app, "_warncount", None)  # private: unknown means not clean
+    if exception is None and warnings == 0:
+        (Path(app.outdir) / CLEAN_BUILD_MARKER).write_text("no warnings\n", encoding="utf-8")
 
 
 def setup(app: Any) -> dict[str, Any]:
-    """Register the generator and the reference resolver with Sphinx."""
+    """Register the generator with Sphinx."""
+    app.connect("builder-inited", _forget_clean_build)
     app.connect("builder-inited", generate_all)
-    app.connect("missing-reference", resolve_through_python)
-    app.connect("warn-missing-reference", quiet_external_reference)
+    app.connect("build-finished", _mark_clean_build)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
