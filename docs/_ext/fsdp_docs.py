@@ -1,0 +1,319 @@
+"""Sphinx extension that generates the pages which follow the repository's contents.
+
+Nothing generated here is committed: it is rewritten on every build, before Sphinx reads
+the sources (``builder-inited``), so a module, notebook, command or benchmark result added
+to the repository appears in the site without editing a list by hand.
+
+* ``docs/api/``: one page per public module of :mod:`fsdp_guide` (found by walking the
+  package, skipping modules whose name starts with ``_``) and an index.
+* ``docs/notebooks/``: a copy of every ``notebooks/NN_topic.ipynb`` (the notebooks stay
+  in ``notebooks/``; the copy is git-ignored) and an index in lesson order.
+* ``docs/_generated/cli.md``: ``--help`` of the command line and of every command,
+  rendered from :func:`fsdp_guide.cli.build_parser`.
+* ``docs/_generated/results/<name>.md``: each ``benchmarks/results/<name>.md``, plus a
+  placeholder for every result a guide page includes that is not committed yet, and
+  ``docs/_generated/benchmarks.md`` gathering all of them.
+
+Files are only rewritten when their content changes, so incremental builds stay cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import io
+import pkgutil
+import re
+import shutil
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any
+
+DOCS_DIR = Path(__file__).resolve().parent.parent
+REPO_DIR = DOCS_DIR.parent
+PACKAGE = "fsdp_guide"
+# A notebook is a lesson when its name starts with its number: 01_topic.ipynb.
+LESSON_NAME = re.compile(r"^\d+_[A-Za-z0-9_]+\.ipynb$")
+# Guide pages pull a measured table in with ``{include} /_generated/results/NAME.md``
+# (a leading ``/`` means the docs folder).
+RESULT_INCLUDE = re.compile(r"_generated/results/([A-Za-z0-9_]+)\.md")
+
+
+def write_if_changed(path: Path, text: str) -> bool:
+    """Write ``text`` to ``path`` unless it already holds exactly that; return whether written."""
+    if path.exists() and path.read_text(encoding="utf-8") == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return True
+
+
+def _raise(name: str) -> None:
+    raise ImportError(f"cannot import {name} to document it; fix the import error above")
+
+
+def public_modules(package: str = PACKAGE) -> list[str]:
+    """Names of the package and of every submodule without a ``_``-prefixed part, sorted."""
+    root = importlib.import_module(package)
+    names = [package]
+    # walk_packages imports sub-packages to look inside; by default it would skip one that
+    # fails to import, and its pages would silently vanish from the site.
+    for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}.", onerror=_raise):
+        if any(part.startswith("_") for part in info.name.split(".")):
+            continue
+        names.append(info.name)
+    return sorted(names)
+
+
+def public_names(module_name: str) -> list[str]:
+    """The names a module documents: its ``__all__``, else what it defines without ``_``."""
+    module = importlib.import_module(module_name)
+    declared = getattr(module, "__all__", None)
+    if declared is not None:
+        return list(declared)
+    return sorted(
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_") and getattr(value, "__module__", None) == module_name
+    )
+
+
+def defining_module(module_name: str, name: str, modules: list[str]) -> str | None:
+    """The other public module that documents ``name`` of ``module_name``, if it is a re-export.
+
+    A name counts as re-exported when its object was defined in another public module
+    that lists it too; it is then documented once, there, and linked from here.
+    """
+    value = getattr(importlib.import_module(module_name), name, None)
+    origin = getattr(value, "__module__", None)
+    if not isinstance(origin, str) or origin == module_name or origin not in modules:
+        return None
+    return origin if name in public_names(origin) else None
+
+
+def _data_entry(module: Any, name: str) -> str:
+    """reST for module data: ``autodata`` when it has a ``#:`` comment, else its value.
+
+    autodoc's member scan skips undocumented module data (type aliases, ``__version__``)
+    and ``autodata`` would show the docstring of the value's class (``str``) instead.
+    """
+    from sphinx.pycode import ModuleAnalyzer
+
+    try:
+        documented = ("", name) in ModuleAnalyzer.for_module(module.__name__).find_attr_docs()
+    except Exception:  # no source to analyse
+        documented = False
+    if documented:
+        return f".. autodata:: {module.__name__}.{name}\n"
+    value = repr(getattr(module, name)).replace("typing.", "")
+    return f".. py:data:: {name}\n   :module: {module.__name__}\n   :value: {value}\n"
+
+
+def module_page(module_name: str, modules: list[str]) -> str:
+    """MyST source of the API page of one module."""
+    own: list[str] = []
+    reexported: list[tuple[str, str]] = []
+    for name in public_names(module_name):
+        origin = defining_module(module_name, name, modules)
+        if origin is None:
+            own.append(name)
+        else:
+            reexported.append((name, origin))
+    module = importlib.import_module(module_name)
+    data = [
+        name
+        for name in own
+        if not (inspect.isclass(getattr(module, name)) or inspect.isroutine(getattr(module, name)))
+    ]
+    members = [name for name in own if name not in data]
+    rst = [f".. automodule:: {module_name}"]
+    # An explicit list (never a bare :members:): exactly the public names, in __all__ order.
+    rst.append(f"   :members: {', '.join(members)}" if members else "   :no-members:")
+    rst += ["   :undoc-members:", "   :show-inheritance:", "   :member-order: bysource", ""]
+    rst += [_data_entry(module, name) for name in data]
+    page = f"# `{module_name}`\n\n```{{eval-rst}}\n" + "\n".join(rst) + "```\n"
+    if reexported:
+        rows = "\n".join(
+            f"| `{name}` | {{py:obj}}`{origin}.{name}` |" for name, origin in reexported
+        )
+        page += (
+            f"\n## Re-exported names\n\n"
+            f"Also importable from `{module_name}`; documented where they are defined.\n\n"
+            f"| Name | Documentation |\n| --- | --- |\n{rows}\n"
+        )
+    return page
+
+
+def generate_api_pages(api_dir: Path, package: str = PACKAGE) -> list[str]:
+    """Write one page per public module and an index into ``api_dir``; return the modules."""
+    modules = public_modules(package)
+    wanted = {f"{name}.md" for name in modules} | {"index.md"}
+    api_dir.mkdir(parents=True, exist_ok=True)
+    for stale in api_dir.glob("*.md"):
+        if stale.name not in wanted:
+            stale.unlink()
+    for name in modules:
+        write_if_changed(api_dir / f"{name}.md", module_page(name, modules))
+    toctree = "\n".join(modules)
+    write_if_changed(
+        api_dir / "index.md",
+        "# API reference\n\n"
+        "Every public name of `fsdp_guide`, one page per module, generated from the\n"
+        "docstrings. A name re-exported by the package (`from fsdp_guide import launch`)\n"
+        "is documented where it is defined and linked from the package page.\n\n"
+        f"```{{toctree}}\n:maxdepth: 1\n\n{toctree}\n```\n",
+    )
+    return modules
+
+
+def _notebook_title(path: Path) -> str:
+    """First markdown heading of a notebook, else its file name."""
+    import json
+
+    cells = json.loads(path.read_text(encoding="utf-8")).get("cells", [])
+    for cell in cells:
+        if cell.get("cell_type") != "markdown":
+            continue
+        source = cell.get("source", "")
+        text = "".join(source) if isinstance(source, list) else source
+        for line in text.splitlines():
+            if line.startswith("#"):
+                return line.lstrip("#").strip()
+    return path.stem
+
+
+def sync_notebooks(source_dir: Path, target_dir: Path) -> list[str]:
+    """Copy the lessons of ``source_dir`` into ``target_dir`` and write its index.
+
+    Returns the copied file names in lesson order. A notebook whose name does not follow
+    ``NN_topic.ipynb`` is an error: it would otherwise silently be left out of the site.
+    """
+    notebooks = sorted(source_dir.glob("*.ipynb")) if source_dir.is_dir() else []
+    misnamed = [p.name for p in notebooks if not LESSON_NAME.match(p.name)]
+    if misnamed:
+        raise ValueError(
+            f"notebooks {misnamed} are not named NN_topic.ipynb; rename them so the docs "
+            "can place them in lesson order"
+        )
+    target_dir.mkdir(parents=True, exist_ok=True)
+    names = [p.name for p in notebooks]
+    for stale in target_dir.glob("*.ipynb"):
+        if stale.name not in names:
+            stale.unlink()
+    for path in notebooks:
+        copy = target_dir / path.name
+        if not copy.exists() or copy.read_bytes() != path.read_bytes():
+            shutil.copy2(path, copy)
+    if names:
+        listing = "\n".join(f"1. [{_notebook_title(p)}]({p.stem}.ipynb)" for p in notebooks)
+        toctree = "\n".join(p.stem for p in notebooks)
+        body = (
+            "Each lesson is a notebook in the repository's `notebooks/` folder, shown here\n"
+            "with the outputs of a real run (nothing is executed while the site builds).\n"
+            "Download one with the button at the top of its page and run it yourself.\n\n"
+            f"{listing}\n\n```{{toctree}}\n:hidden:\n:maxdepth: 1\n\n{toctree}\n```\n"
+        )
+    else:
+        body = "No lesson has been written yet: notebooks appear here as they land.\n"
+    write_if_changed(target_dir / "index.md", f"# Lessons\n\n{body}")
+    return names
+
+
+def render_cli_help(parser: Any) -> str:
+    """Markdown with the ``--help`` of ``parser`` and of each of its sub-commands."""
+    import argparse
+
+    def help_text(p: argparse.ArgumentParser) -> str:
+        buffer = io.StringIO()
+        with redirect_stdout(buffer):
+            p.print_help()
+        return buffer.getvalue().rstrip()
+
+    parts = [f"## `python -m {parser.prog}`\n\n```text\n{help_text(parser)}\n```\n"]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                parts.append(f"## `{name}`\n\n```text\n{help_text(sub)}\n```\n")
+    return "\n".join(parts)
+
+
+def generate_cli_page(target: Path) -> None:
+    """Write the rendered help of every command of ``python -m fsdp_guide`` to ``target``."""
+    from fsdp_guide.cli import build_parser
+
+    write_if_changed(target, render_cli_help(build_parser()))
+
+
+def generate_result_pages(results_dir: Path, generated_dir: Path, docs_dir: Path) -> list[str]:
+    """Mirror benchmark results into ``generated_dir/results`` and gather them in one page.
+
+    Every result that a guide page includes but that is not committed yet gets a
+    placeholder saying which script writes it. Returns the names of committed results.
+    """
+    committed = sorted(p.stem for p in results_dir.glob("*.md")) if results_dir.is_dir() else []
+    referenced: set[str] = set()
+    for page in docs_dir.rglob("*.md"):
+        if any(part in {"_build", "_generated"} for part in page.relative_to(docs_dir).parts):
+            continue
+        referenced.update(RESULT_INCLUDE.findall(page.read_text(encoding="utf-8")))
+    out = generated_dir / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = set(committed) | referenced
+    for stale in out.glob("*.md"):
+        if stale.stem not in wanted:
+            stale.unlink()
+    for name in sorted(wanted):
+        if name in committed:
+            text = (results_dir / f"{name}.md").read_text(encoding="utf-8")
+        else:
+            text = (
+                "```{note}\n"
+                f"Measured table pending: it appears here once `benchmarks/{name}.py` has\n"
+                f"written `benchmarks/results/{name}.md` to the repository.\n"
+                "```\n"
+            )
+        write_if_changed(out / f"{name}.md", text)
+    if committed:
+        body = "\n".join(
+            f"## `{name}`\n\nWritten by `benchmarks/{name}.py` to "
+            f"`benchmarks/results/{name}.md`.\n\n"
+            f"```{{include}} /_generated/results/{name}.md\n:heading-offset: 2\n```\n"
+            for name in committed
+        )
+    else:
+        body = "No benchmark result has been committed yet.\n"
+    write_if_changed(generated_dir / "benchmarks.md", body)
+    return committed
+
+
+def generate_all(app: Any = None) -> None:
+    """Regenerate every page above (connected to ``builder-inited``)."""
+    generated = DOCS_DIR / "_generated"
+    generate_api_pages(DOCS_DIR / "api")
+    sync_notebooks(REPO_DIR / "notebooks", DOCS_DIR / "notebooks")
+    generate_cli_page(generated / "cli.md")
+    generate_result_pages(REPO_DIR / "benchmarks" / "results", generated, DOCS_DIR)
+
+
+# Written into the output folder by a build that ended without a warning; the site tests
+# rebuild when it is missing or older than a source (a --keep-going build that warned
+# still writes every page, which must not pass for a good site).
+CLEAN_BUILD_MARKER = ".fsdp-docs-clean-build"
+
+
+def _forget_clean_build(app: Any) -> None:
+    (Path(app.outdir) / CLEAN_BUILD_MARKER).unlink(missing_ok=True)
+
+
+def _mark_clean_build(app: Any, exception: BaseException | None) -> None:
+    warnings = getattr(app, "_warncount", None)  # private: unknown means not clean
+    if exception is None and warnings == 0:
+        (Path(app.outdir) / CLEAN_BUILD_MARKER).write_text("no warnings\n", encoding="utf-8")
+
+
+def setup(app: Any) -> dict[str, Any]:
+    """Register the generator with Sphinx."""
+    app.connect("builder-inited", _forget_clean_build)
+    app.connect("builder-inited", generate_all)
+    app.connect("build-finished", _mark_clean_build)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

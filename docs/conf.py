@@ -1,0 +1,131 @@
+"""Sphinx configuration of the fsdp-guide site (built with ``-nW --keep-going``).
+
+Build locally, from the repository root::
+
+    PYTHONPATH=$PWD python -m sphinx -nW --keep-going -b html docs docs/_build/html
+
+Pages that follow the repository (API reference, lessons, CLI help, benchmark tables)
+are generated at build time by ``docs/_ext/fsdp_docs.py``; see its docstring.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+DOCS_DIR = Path(__file__).resolve().parent
+# The package is imported from the checkout, installed or not.
+sys.path.insert(0, str(DOCS_DIR.parent))
+sys.path.insert(0, str(DOCS_DIR / "_ext"))
+
+import fsdp_guide  # noqa: E402
+
+project = "fsdp-guide"
+author = "fsdp-guide developers"
+copyright = "fsdp-guide developers"
+release = fsdp_guide.__version__
+version = release
+
+extensions = [
+    "myst_nb",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx_autodoc_typehints",
+    "sphinx.ext.intersphinx",
+    "sphinx.ext.viewcode",
+    "sphinx_copybutton",
+    "fsdp_docs",  # docs/_ext: pages generated from the repository
+    "fsdp_refs",  # docs/_ext: references resolved through Python's own name lookup
+]
+
+exclude_patterns = [
+    "_build",
+    "_generated",  # only reached through {include}
+    "**.ipynb_checkpoints",
+    "Thumbs.db",
+    ".DS_Store",
+]
+
+# -- Notebooks (myst-nb) ------------------------------------------------------------------
+# Lessons are rendered with the outputs committed in notebooks/; the site never runs them,
+# so it needs neither a GPU nor minutes of CPU.
+nb_execution_mode = "off"
+nb_merge_streams = True
+myst_enable_extensions = ["colon_fence", "deflist", "dollarmath"]
+myst_heading_anchors = 3
+
+# -- API reference (autodoc, napoleon, sphinx-autodoc-typehints) --------------------------
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"  # types live in annotations; shown next to each argument
+autodoc_class_signature = "separated"
+# Methods inherit no docstring from torch or Lightning base classes: theirs cross-reference
+# names in those projects' own documentation that our site cannot resolve.
+autodoc_inherit_docstrings = False
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+napoleon_use_ivar = True  # "Attributes:" as a field list; dataclass fields are documented once
+typehints_use_signature = False
+typehints_document_rtype = True
+always_document_param_types = False
+
+# -- Cross-references ---------------------------------------------------------------------
+# ``-n`` (nitpicky) makes every unresolved reference a warning and ``-W`` an error. We keep
+# that strict for our own names: a reference to ``fsdp_guide.*`` must resolve.
+#
+# Third-party targets are linked through intersphinx where an inventory is reachable:
+# Read the Docs has internet, CI and this machine do not. An unreachable inventory is
+# itself a warning (so an error under -W), hence remote inventories are switched on only
+# on Read the Docs (READTHEDOCS=True) or when FSDP_GUIDE_DOCS_ONLINE=1 is set locally.
+# Offline, references to other packages stay plain text instead of failing the build.
+#
+# Even online, some third-party names cannot resolve: type hints name the class where
+# it is defined (``torch.nn.modules.module.Module``), while the torch inventory lists its
+# public alias (``torch.nn.Module``). So references whose target is not ours are never
+# nitpicked, online or offline; those an inventory knows still become links.
+ONLINE = os.environ.get("READTHEDOCS") == "True" or os.environ.get("FSDP_GUIDE_DOCS_ONLINE") == "1"
+intersphinx_mapping = (
+    {
+        "python": ("https://docs.python.org/3", None),
+        "torch": ("https://docs.pytorch.org/docs/stable", None),
+        "lightning": ("https://lightning.ai/docs/pytorch/stable", None),
+        "numpy": ("https://numpy.org/doc/stable", None),
+    }
+    if ONLINE
+    else {}
+)
+intersphinx_timeout = 30
+nitpicky = True
+_NOT_OURS = r"(?!fsdp_guide\b)[A-Za-z_][\w]*\..*"
+# Unqualified third-party names (``linecache``, ``Ellipsis``, ``Tensor``) are told apart from
+# our own by docs/_ext/fsdp_refs.py (``warn-missing-reference``), which a regex cannot do.
+nitpick_ignore_regex = [
+    (r"py:.*", _NOT_OURS),
+    # Private names (``_COMMANDS``) are deliberately not in the API reference.
+    (r"py:.*", r"(.*\.)?_[A-Za-z]\w*"),
+]
+# A benchmark result written by another script may skip a heading level (# then ###);
+# that is its author's style, not a broken page.
+suppress_warnings = ["myst.header"]
+
+# -- HTML ---------------------------------------------------------------------------------
+# "[source]" links. Following imports would send data such as ``__version__`` (a str) to a
+# page for ``builtins`` that viewcode lists but never writes; nothing here is re-exported
+# under another name in the API pages, so there is nothing to follow.
+viewcode_follow_imported_members = False
+
+html_theme = "sphinx_book_theme"
+html_title = "fsdp-guide"
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+html_theme_options = {
+    "use_download_button": True,  # notebooks download as .ipynb from every lesson page
+    "use_fullscreen_button": True,
+    "show_toc_level": 2,
+    "home_page_in_toc": True,
+    "navigation_with_keys": False,
+}
+html_last_updated_fmt = ""
+copybutton_prompt_text = r">>> |\.\.\. |\$ "
+copybutton_prompt_is_regexp = True
