@@ -214,7 +214,7 @@ def launch(
 
     Each rank is a process with ``torch.distributed`` initialised (TCP rendezvous on
     127.0.0.1, on ``MASTER_PORT`` if set, else a free port). Each rank's stdout and stderr
-    reach the caller whole lines at a time, prefixed ``[rankN] ``. The process group is
+    reach the caller whole lines at a time, prefixed ``"[rankN] "``. The process group is
     destroyed when the function returns.
 
     Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set) nothing is started:

@@ -27,24 +27,27 @@ class OptimizerMismatchError(ValueError):
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Check that ``optimizer`` trains exactly the trainable parameters of ``model``.
 
+    It fails when the optimizer holds no parameters, holds tensors that are not parameters of
+    ``model`` (it was built from the unwrapped model, or before wrapping), or misses trainable
+    parameters of ``model``. The message names the fix.
+
     Args:
         model: The model as it is trained, i.e. after wrapping.
         optimizer: The optimizer that should update it.
 
     Raises:
-        OptimizerMismatchError: The optimizer holds no parameters, holds tensors that are not
-            parameters of ``model`` (built from the unwrapped model or before wrapping), or
-            misses trainable parameters of ``model``. The message names the fix.
+        OptimizerMismatchError: The optimizer does not match the model's parameters.
         TypeError: Arguments of the wrong type.
 
     Examples:
         >>> model = nn.Linear(2, 2)
         >>> check_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
         >>> other = nn.Linear(2, 2)
-        >>> check_optimizer(model, torch.optim.SGD(other.parameters(), lr=0.1))
-        Traceback (most recent call last):
-        ...
-        fsdp_guide.optimizer_check.OptimizerMismatchError: the optimizer holds 2 tensor(s) ...
+        >>> try:
+        ...     check_optimizer(model, torch.optim.SGD(other.parameters(), lr=0.1))
+        ... except OptimizerMismatchError as err:
+        ...     print(str(err)[:60])
+        the optimizer holds 2 tensor(s) (6 elements) that are not pa
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
