@@ -103,7 +103,8 @@ def shard(
     """Shard ``module`` with ``engine``: units chosen by ``policy``, then the root.
 
     Call it on every rank, inside a function run by :func:`fsdp_guide.launch`. Without a
-    policy only the root becomes a unit (plus any units made by hand with :func:`~fsdp_guide.wrap_manual.wrap`).
+    policy only the root becomes a unit (plus any units made by hand with
+    :func:`~fsdp_guide.wrap_manual.wrap`).
     Build the optimizer afterwards, from the returned model's parameters
     (:func:`fsdp_guide.wrap.check_optimizer` catches the opposite).
 
