@@ -137,6 +137,7 @@ def start_ranks(
                     out_w,
                     err_w,
                     res_w,
+                    ctx.get_start_method() == "fork",
                 ),
                 name=f"fsdp_guide-rank{rank}",
                 daemon=False,

@@ -64,12 +64,17 @@ def _run_user_function(
     kwargs: Mapping[str, Any],
     backend: str,
     pg_timeout_s: float,
+    forked: bool,
 ) -> Any:
     import torch
     import torch.distributed as dist
 
-    # Share the cores between ranks instead of each rank claiming all of them.
-    if "OMP_NUM_THREADS" not in os.environ:
+    if forked:
+        # GNU OpenMP does not survive fork: once the parent has used its thread pool, a
+        # forked child that runs a parallel region on more than one thread deadlocks.
+        torch.set_num_threads(1)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # Share the cores between ranks instead of each rank claiming all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -99,6 +104,7 @@ def run_rank(
     stdout_w: Connection,
     stderr_w: Connection,
     result_w: Connection,
+    forked: bool,
 ) -> None:
     """Entry point of one rank; never raises, reports through ``result_w`` instead."""
     with contextlib.suppress(OSError):  # already a group leader
@@ -117,7 +123,9 @@ def run_rank(
         }
     )
     try:
-        value = _run_user_function(fn, rank, world_size, args, kwargs, backend, pg_timeout_s)
+        value = _run_user_function(
+            fn, rank, world_size, args, kwargs, backend, pg_timeout_s, forked
+        )
     except SystemExit as exc:
         # sys.exit(n) in a rank is reported like a process exit status, not a traceback.
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

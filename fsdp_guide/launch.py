@@ -232,6 +232,11 @@ def launch(
         start_method: ``"auto"`` (fork in a notebook or interactive prompt, else spawn),
             ``"fork"`` or ``"spawn"``.
 
+    Forked ranks run torch's CPU operators on one thread: GNU OpenMP, which CPU builds of
+    torch use, deadlocks in a forked child that asks for more threads once the parent has
+    used its pool. Spawned ranks share the cores (``cpu_count // world_size`` threads each,
+    unless ``OMP_NUM_THREADS`` is set).
+
     Returns:
         The return value of each rank, ordered by rank. Values travel by pickle: return
         plain data or CPU tensors.

@@ -98,4 +98,6 @@ def unpicklable_result(rank: int, world_size: int) -> object:
 def matmul_checksum(rank: int, world_size: int) -> float:
     g = torch.Generator().manual_seed(rank)
     a = torch.randn(256, 256, generator=g)
-    return float((a @ a).sum())
+    big = torch.zeros(10**7)
+    big.add_(1)  # large enough for an OpenMP parallel region
+    return float((a @ a).sum()) + float(big[0]) - 1.0

@@ -325,11 +325,16 @@ def test_dist_init_rejects_a_bad_rank() -> None:
         fsdp_guide.dist_init(2, 2)
 
 
-def test_fork_after_the_parent_used_torch_threads_does_not_hang() -> None:
-    # A notebook builds models before launching; the intra-op thread pool must survive fork.
-    big = torch.randn(512, 512)
-    (big @ big).sum()
-    results = launch(targets.matmul_checksum, 2, backend="gloo", start_method="fork", timeout=60)
-    expected = [targets.matmul_checksum(0, 2), targets.matmul_checksum(1, 2)]
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fork_after_the_parent_used_torch_threads_does_not_hang(world_size: int) -> None:
+    # A notebook builds models before launching: the parent's OpenMP pool is then live, and
+    # a forked rank running a parallel region on several threads would deadlock.
+    torch.set_num_threads(2)
+    big = torch.zeros(10**7)
+    big.add_(1)
+    results = launch(
+        targets.matmul_checksum, world_size, backend="gloo", start_method="fork", timeout=60
+    )
+    expected = [targets.matmul_checksum(r, world_size) for r in range(world_size)]
     # Ranks use fewer threads than the parent, so sums are reordered: compare with a tolerance.
     assert results == pytest.approx(expected, rel=1e-5)
