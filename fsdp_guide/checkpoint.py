@@ -1,0 +1,370 @@
+"""Save and restore training state for every way of sharding, safely: :func:`save`, :func:`load`.
+
+Both are collective: every rank calls them with its own model and optimizer. The strategy is
+read from their types (:func:`detect_strategy`): a plain module, DDP, PyTorch
+``ZeroRedundancyOptimizer``, FairScale OSS and ShardedDDP, PyTorch FSDP1 and FSDP2, and
+FairScale FSDP.
+
+Two formats:
+
+``kind="full"``: one file, written by rank 0
+    The state an unsharded model would have, with the optimizer state keyed by parameter
+    name. Sharded optimizer states (ZeRO, OSS) are consolidated to rank 0 first, FSDP
+    parameters are gathered to rank 0 only (on CPU), so no other rank holds a full copy.
+    It loads at any world size and into any strategy (FairScale FSDP's optimizer state
+    only into FairScale FSDP). Every rank reads the file when loading.
+
+``kind="sharded"``: a directory (FSDP1, FSDP2, FairScale FSDP)
+    ``rank<N>.pt`` per rank and ``extra.pt`` in a ``data-<id>`` sub-directory, and
+    ``index.json`` naming the world size, the strategy and each file's size and SHA-256.
+    The index is replaced last, so until a save completes the directory still describes
+    the previous checkpoint; older ``data-*`` directories are then removed. It loads only
+    at the world size that saved it; :func:`consolidate` (or ``python -m fsdp_guide
+    consolidate SRC DST``) turns it into a full checkpoint.
+
+Files are written beside their target, flushed, ``fsync``-ed and renamed into place, and
+read with ``torch.load(weights_only=True)``: see :mod:`fsdp_guide.checkpoint_io`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_guide.checkpoint_io import (
+    INDEX_NAME,
+    CheckpointError,
+    atomic_write_bytes,
+    atomic_write_torch,
+    check_weights_only_value,
+    read_index,
+    read_torch,
+    sha256_of,
+)
+from fsdp_guide.checkpoint_shards import consolidate_shards, get_sharded_state, set_sharded_state
+from fsdp_guide.checkpoint_state import (
+    SHARDED_STRATEGIES,
+    Strategy,
+    detect_strategy,
+    get_full_state,
+    set_full_state,
+)
+
+__all__ = ["CheckpointError", "Strategy", "consolidate", "detect_strategy", "load", "save"]
+
+CheckpointKind = Literal["full", "sharded"]
+FULL_FORMAT = "fsdp_guide.full"
+FORMAT_VERSION = 1
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agree(error: str | None) -> None:
+    """Share each rank's failure with all ranks, so all raise together instead of hanging."""
+    _, world = _rank_and_world()
+    errors: list[str | None] = [error]
+    if world > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(message if world == 1 else f"rank {rank}: {message}")
+
+
+def _attempt(action: Any) -> tuple[Any, str | None]:
+    try:
+        return action(), None
+    except CheckpointError as exc:
+        return None, str(exc)
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _check_save_arguments(path: Path, kind: str, strategy: Strategy, extra: Any) -> None:
+    if kind not in ("full", "sharded"):
+        raise ValueError(f"kind must be 'full' or 'sharded', got {kind!r}")
+    if kind == "sharded" and strategy not in SHARDED_STRATEGIES:
+        raise ValueError(
+            f"kind='sharded' is for strategies that shard parameters (FSDP1, FSDP2, FairScale "
+            f"FSDP), not {strategy!r}; use kind='full' (sharded optimizer states such as OSS "
+            "and ZeRO are consolidated into it)"
+        )
+    if kind == "full" and path.is_dir():
+        raise ValueError(f"{path} is a directory; a full checkpoint is a file: choose a file path")
+    if kind == "sharded" and path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file; a sharded checkpoint is a directory: choose another")
+    if extra is not None:
+        check_weights_only_value(extra)
+
+
+def save(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    kind: CheckpointKind = "full",
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Save model and optimizer state (collective: call on every rank).
+
+    Args:
+        path: A file for ``kind="full"``, a directory for ``kind="sharded"``.
+        model: The model as trained: plain, DDP, ShardedDDP, FSDP1, FSDP2 or FairScale FSDP.
+        optimizer: Its optimizer (plain, ``ZeroRedundancyOptimizer`` or OSS), or ``None``.
+        kind: ``"full"`` (one file, loads anywhere) or ``"sharded"`` (one file per rank).
+        extra: Small metadata to restore with it (step, epoch, RNG state): tensors, numbers,
+            strings and containers of them. Rank 0's is saved.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: Unknown ``kind``, ``"sharded"`` for a strategy that does not shard
+            parameters, or a path of the wrong type. Raised before anything is written.
+        TypeError: ``extra`` holds something a ``weights_only`` load would refuse.
+        CheckpointError: Writing failed on some rank; the previous checkpoint is intact.
+
+    Examples:
+        >>> import tempfile
+        >>> model = nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> path = save(Path(tempfile.mkdtemp()) / "ckpt.pt", model, optimizer, extra={"step": 7})
+        >>> load(path, nn.Linear(2, 1), None)
+        {'step': 7}
+    """
+    path = Path(path)
+    strategy = detect_strategy(model, optimizer)
+    _check_save_arguments(path, kind, strategy, extra)
+    rank, world = _rank_and_world()
+    if kind == "full":
+        model_state, optim_state = get_full_state(model, optimizer, strategy)
+        error = None
+        if rank == 0:
+            payload = {
+                "format": FULL_FORMAT,
+                "version": FORMAT_VERSION,
+                "strategy": strategy,
+                "world_size": world,
+                "optimizer_keys": "position" if strategy == "fairscale_fsdp" else "name",
+                "model": model_state,
+                "optimizer": optim_state,
+                "extra": extra,
+            }
+            _, error = _attempt(lambda: atomic_write_torch(path, payload))
+        _agree(error)
+        return path
+    _save_sharded(path, model, optimizer, strategy, extra, rank, world)
+    return path
+
+
+def _save_sharded(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strategy: Strategy,
+    extra: dict[str, Any] | None,
+    rank: int,
+    world: int,
+) -> None:
+    shard = get_sharded_state(model, optimizer, strategy)
+    names = [f"data-{uuid.uuid4().hex[:12]}"]
+    if world > 1:  # every rank must write into the same new sub-directory
+        dist.broadcast_object_list(names, src=0)
+    data = path / names[0]
+
+    def write_own_files() -> dict[str, dict[str, Any]]:
+        written = {f"rank{rank}.pt": shard}
+        if rank == 0:
+            written["extra.pt"] = {"extra": extra}
+        info = {}
+        for name, payload in written.items():
+            atomic_write_torch(data / name, payload)
+            info[f"{names[0]}/{name}"] = {
+                "size": (data / name).stat().st_size,
+                "sha256": sha256_of(data / name),
+            }
+        return info
+
+    info, error = _attempt(write_own_files)
+    gathered: list[Any] = [(info, error)]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (info, error))
+    error = next((f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e), None)
+    if error is None and rank == 0:
+        files: dict[str, Any] = {}
+        for rank_info, _ in gathered:
+            files.update(rank_info)
+        index = {
+            "format": "fsdp_guide.sharded",
+            "version": FORMAT_VERSION,
+            "strategy": strategy,
+            "world_size": world,
+            "shards": [f"{names[0]}/rank{r}.pt" for r in range(world)],
+            "extra": f"{names[0]}/extra.pt",
+            "files": files,
+        }
+        _, error = _attempt(
+            lambda: atomic_write_bytes(path / INDEX_NAME, json.dumps(index, indent=1).encode())
+        )
+    if rank == 0:
+        # After a success the older data directories go; after a failure, this attempt's.
+        for data_dir in path.glob("data-*"):
+            if (data_dir.name == names[0]) == (error is not None):
+                shutil.rmtree(data_dir, ignore_errors=True)
+    _agree(error)
+
+
+def load(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, Any] | None:
+    """Load a checkpoint written by :func:`save` (collective: call on every rank).
+
+    Build the model and optimizer exactly as for training (same wrapping), then load.
+    A full checkpoint loads at any world size; a sharded one at the world size that saved it.
+
+    Args:
+        path: The file or directory that :func:`save` wrote.
+        model: A freshly built model, wrapped like the one to continue training.
+        optimizer: Its optimizer, or ``None`` to load the model only.
+
+    Returns:
+        The ``extra`` given to :func:`save` (restore RNG states from it yourself).
+
+    Raises:
+        CheckpointError: Missing or truncated file or shard, a file refused by
+            ``weights_only``, a sharded checkpoint at another world size, parameter names
+            or shapes that differ (listed), or an optimizer state the checkpoint lacks.
+
+    Examples:
+        >>> import tempfile
+        >>> load(Path(tempfile.mkdtemp()) / "none.pt", nn.Linear(2, 1))
+        Traceback (most recent call last):
+        ...
+        fsdp_guide.checkpoint_io.CheckpointError: checkpoint file .../none.pt does not exist...
+    """
+    path = Path(path)
+    strategy = detect_strategy(model, optimizer)
+    rank, world = _rank_and_world()
+    if path.is_dir():
+        return _load_sharded(path, model, optimizer, strategy, rank, world)
+    payload, error = _attempt(lambda: _read_full(path))
+    _agree(error)
+    if optimizer is not None and payload["optimizer"] is None:
+        raise CheckpointError(
+            f"{path} holds no optimizer state (saved without an optimizer, or consolidated "
+            "from FairScale FSDP shards); pass optimizer=None to load the model only"
+        )
+    if payload["optimizer_keys"] == "position" and strategy != "fairscale_fsdp" and optimizer:
+        raise CheckpointError(
+            f"{path} holds a FairScale FSDP optimizer state, which loads only into FairScale "
+            "FSDP; pass optimizer=None to load the model only"
+        )
+    set_full_state(model, optimizer, strategy, payload["model"], payload["optimizer"])
+    extra: dict[str, Any] | None = payload["extra"]
+    return extra
+
+
+def _read_full(path: Path) -> dict[str, Any]:
+    payload = read_torch(path)
+    if not isinstance(payload, dict) or payload.get("format") != FULL_FORMAT:
+        raise CheckpointError(f"{path} is not a full checkpoint written by fsdp_guide")
+    return payload
+
+
+def _load_sharded(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strategy: Strategy,
+    rank: int,
+    world: int,
+) -> dict[str, Any] | None:
+    def read() -> tuple[dict[str, Any], dict[str, Any]]:
+        index = read_index(path, verify=False)
+        if index["world_size"] != world:
+            raise CheckpointError(
+                f"{path} is a sharded checkpoint saved on {index['world_size']} ranks, and "
+                f"this run has {world}: a sharded checkpoint loads only at the world size that "
+                f"saved it. Consolidate it (python -m fsdp_guide consolidate {path} FILE) and "
+                "load the full file"
+            )
+        saved = index["strategy"]
+        torch_fsdp = ("fsdp1", "fsdp2")
+        if saved != strategy and not (saved in torch_fsdp and strategy in torch_fsdp):
+            raise CheckpointError(
+                f"{path} was saved by {saved!r} shards and this model is {strategy!r}; "
+                "consolidate it into a full checkpoint to change strategy"
+            )
+        for name in (index["shards"][rank], index["extra"]):
+            if sha256_of(path / name) != index["files"][name]["sha256"]:
+                raise CheckpointError(f"{path / name} does not match its SHA-256 in the index")
+        return read_torch(path / index["shards"][rank]), read_torch(path / index["extra"])
+
+    result, error = _attempt(read)
+    _agree(error)
+    shard, extra_file = result
+    set_sharded_state(model, optimizer, strategy, shard)
+    extra: dict[str, Any] | None = extra_file["extra"]
+    return extra
+
+
+def consolidate(
+    source: str | os.PathLike[str], target: str | os.PathLike[str]
+) -> dict[str, Any]:
+    """Turn a sharded checkpoint directory into a full checkpoint file, in one process.
+
+    Needs neither the model code nor a process group, and loads every shard in this
+    process (enough host memory for the whole state is needed).
+
+    Args:
+        source: Directory written by ``save(..., kind="sharded")``.
+        target: File to write; it then loads at any world size.
+
+    Returns:
+        A summary: ``strategy``, ``world_size``, ``tensors`` and ``bytes`` of the model state,
+        and whether an ``optimizer`` state was consolidated (not for FairScale FSDP).
+
+    Raises:
+        CheckpointError: The source is not a complete, intact sharded checkpoint.
+    """
+    source, target = Path(source), Path(target)
+    if not source.is_dir():
+        raise CheckpointError(f"{source} is not a directory; consolidate takes a sharded checkpoint")
+    index = read_index(source, verify=True)
+    shards = [read_torch(source / name) for name in index["shards"]]
+    model_state, optim_state = consolidate_shards(shards, index["strategy"])
+    payload = {
+        "format": FULL_FORMAT,
+        "version": FORMAT_VERSION,
+        "strategy": index["strategy"],
+        "world_size": index["world_size"],
+        "optimizer_keys": "name",
+        "model": model_state,
+        "optimizer": optim_state,
+        "extra": read_torch(source / index["extra"])["extra"],
+    }
+    atomic_write_torch(target, payload)
+    tensors = [v for v in model_state.values() if isinstance(v, torch.Tensor)]
+    return {
+        "strategy": index["strategy"],
+        "world_size": index["world_size"],
+        "tensors": len(tensors),
+        "bytes": sum(t.numel() * t.element_size() for t in tensors),
+        "optimizer": optim_state is not None,
+    }
