@@ -192,27 +192,38 @@ def optimizer_state_by_name(state: _OptimizerState, names: list[str]) -> _Optimi
     }
 
 
-def optimizer_state_by_position(state: _OptimizerState, names: list[str]) -> _OptimizerState:
-    """Inverse of :func:`optimizer_state_by_name` for an optimizer whose parameters are ``names``.
+def optimizer_state_by_position(state: _OptimizerState, groups: list[list[str]]) -> _OptimizerState:
+    """Inverse of :func:`optimizer_state_by_name`, for an optimizer whose groups hold ``groups``.
+
+    ``torch.optim.Optimizer.load_state_dict`` pairs saved and live parameters by their
+    order in each group, so the positions are written in the live optimizer's order.
 
     Raises:
-        CheckpointError: The saved parameter names differ from ``names``.
+        CheckpointError: The saved parameter names or groups differ from the live ones.
 
     Examples:
-        >>> sd = {"state": {"b": {"m": 0}}, "param_groups": [{"lr": 0.1, "params": ["w", "b"]}]}
-        >>> optimizer_state_by_position(sd, ["w", "b"])
+        >>> sd = {"state": {"b": {"m": 0}}, "param_groups": [{"lr": 0.1, "params": ["b", "w"]}]}
+        >>> optimizer_state_by_position(sd, [["w", "b"]])
         {'state': {1: {'m': 0}}, 'param_groups': [{'lr': 0.1, 'params': [0, 1]}]}
     """
-    saved = [n for g in state["param_groups"] for n in g["params"]]
+    names = [n for group in groups for n in group]
+    saved_groups = [list(g["params"]) for g in state["param_groups"]]
+    saved = [n for group in saved_groups for n in group]
     if sorted(saved) != sorted(names):
         check_names_and_shapes(
-            {n: () for n in names}, {n: () for n in saved}, what="optimizer's parameters"
+            dict.fromkeys(names, ()), dict.fromkeys(saved, ()), what="optimizer's parameters"
+        )
+    if [sorted(g) for g in saved_groups] != [sorted(g) for g in groups]:
+        raise CheckpointError(
+            "the optimizer's parameter groups differ from the checkpoint's; build the "
+            "optimizer with the same groups as when saving"
         )
     position = {n: i for i, n in enumerate(names)}
     return {
         "state": {position[n]: s for n, s in state["state"].items()},
         "param_groups": [
-            {**g, "params": [position[n] for n in g["params"]]} for g in state["param_groups"]
+            {**g, "params": [position[n] for n in live]}
+            for g, live in zip(state["param_groups"], groups, strict=True)
         ],
     }
 
@@ -326,8 +337,9 @@ def set_full_state(
         return
     unwrap(model).load_state_dict(model_state)
     if optimizer is not None and optim_state is not None:
-        names = _names_in_optimizer_order(model, optimizer)
-        optimizer.load_state_dict(optimizer_state_by_position(optim_state, names))
+        names = iter(_names_in_optimizer_order(model, optimizer))
+        groups = [[next(names) for _ in g["params"]] for g in optimizer.param_groups]
+        optimizer.load_state_dict(optimizer_state_by_position(optim_state, groups))
 
 
 def _check_optimizer_names(model: nn.Module, saved: list[str]) -> None:

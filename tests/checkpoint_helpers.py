@@ -161,6 +161,8 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
             return [f"{path}: keys {sorted(map(str, set(a) ^ set(b)))}"]
         return [d for k in a for d in differences(a[k], b[k], f"{path}/{k}")]
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        if path.endswith("/params"):  # a group's members: their order carries no meaning
+            a, b = sorted(a, key=str), sorted(b, key=str)
         if len(a) != len(b):
             return [f"{path}: lengths {len(a)} != {len(b)}"]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}/{i}")]
