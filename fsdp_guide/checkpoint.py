@@ -225,7 +225,11 @@ def _save_sharded(
         for data_dir in path.glob("data-*"):
             if (data_dir.name == names[0]) == (error is not None):
                 shutil.rmtree(data_dir, ignore_errors=True)
-    _agree(error)
+    outcome = [error]  # rank 0 knows every rank's write error and its own index error
+    if world > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise CheckpointError(outcome[0])
 
 
 def load(
