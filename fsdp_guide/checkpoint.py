@@ -328,9 +328,7 @@ def _load_sharded(
     return extra
 
 
-def consolidate(
-    source: str | os.PathLike[str], target: str | os.PathLike[str]
-) -> dict[str, Any]:
+def consolidate(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Any]:
     """Turn a sharded checkpoint directory into a full checkpoint file, in one process.
 
     Needs neither the model code nor a process group, and loads every shard in this
@@ -349,7 +347,9 @@ def consolidate(
     """
     source, target = Path(source), Path(target)
     if not source.is_dir():
-        raise CheckpointError(f"{source} is not a directory; consolidate takes a sharded checkpoint")
+        raise CheckpointError(
+            f"{source} is not a directory; consolidate takes a sharded checkpoint"
+        )
     index = read_index(source, verify=True)
     shards = [read_torch(source / name) for name in index["shards"]]
     model_state, optim_state = consolidate_shards(shards, index["strategy"])

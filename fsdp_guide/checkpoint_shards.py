@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fsdp_guide.checkpoint_io import CheckpointError
-from fsdp_guide.checkpoint_state import Strategy, shape_of, check_names_and_shapes
+from fsdp_guide.checkpoint_state import Strategy, check_names_and_shapes, shape_of
 
 __all__ = ["consolidate_shards", "get_sharded_state", "set_sharded_state"]
 
@@ -30,7 +30,7 @@ _Layout = dict[str, dict[str, list[int]]]
 
 def _local_piece(value: Any) -> tuple[torch.Tensor, dict[str, list[int]] | None]:
     """The local tensor of a DTensor / ShardedTensor and its place in the whole tensor."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
@@ -40,8 +40,8 @@ def _local_piece(value: Any) -> tuple[torch.Tensor, dict[str, list[int]] | None]
         _, offset = compute_local_shape_and_global_offset(
             value.shape, value.device_mesh, value.placements
         )
-        shape = [int(n) for n in value.shape]
-        return value.to_local(), {"shape": shape, "offset": [int(n) for n in offset]}
+        whole = [int(n) for n in value.shape]
+        return value.to_local(), {"shape": whole, "offset": [int(n) for n in offset]}
     if isinstance(value, ShardedTensor):
         shards = value.local_shards()
         shape = [int(n) for n in value.size()]
@@ -49,8 +49,8 @@ def _local_piece(value: Any) -> tuple[torch.Tensor, dict[str, list[int]] | None]
             return torch.empty(0), {"shape": shape, "offset": []}
         if len(shards) > 1:
             raise CheckpointError("a ShardedTensor with several local shards is not supported")
-        offset = [int(n) for n in shards[0].metadata.shard_offsets]
-        return shards[0].tensor, {"shape": shape, "offset": offset}
+        start = [int(n) for n in shards[0].metadata.shard_offsets]
+        return shards[0].tensor, {"shape": shape, "offset": start}
     return value, None
 
 
@@ -204,9 +204,13 @@ def _stitch(value: Any, path: str, shards: list[dict[str, Any]], flat: list[dict
         return {k: _stitch(v, f"{path}/{k}", shards, flat) for k, v in value.items()}
     if isinstance(value, torch.Tensor) and path in shards[0]["layout"]:
         try:
-            pieces = [(leaves[path], s["layout"][path]) for leaves, s in zip(flat, shards)]
+            pieces = [
+                (leaves[path], s["layout"][path]) for leaves, s in zip(flat, shards, strict=True)
+            ]
         except KeyError as exc:
-            raise CheckpointError(f"{path} is missing from a shard; the shards do not match") from exc
+            raise CheckpointError(
+                f"{path} is missing from a shard; the shards do not match"
+            ) from exc
         return _assemble(pieces, path)
     return value
 

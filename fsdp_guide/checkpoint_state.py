@@ -154,7 +154,9 @@ def check_names_and_shapes(
         ("shapes differ", shapes),
     ):
         if items:
-            shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+            shown = ", ".join(items[:8]) + (
+                f", ... ({len(items)} in all)" if len(items) > 8 else ""
+            )
             parts.append(f"{label}: {shown}")
     raise CheckpointError(
         f"the checkpoint does not fit this {what}: "
@@ -326,7 +328,7 @@ def set_full_state(
             model,
             [optimizer] if optimizer is not None else [],
             model_state_dict=model_state,
-            optim_state_dict=optim_state if optimizer is not None else {},
+            optim_state_dict=optim_state if optimizer is not None and optim_state else {},
             options=StateDictOptions(full_state_dict=True),
         )
         return
@@ -337,8 +339,8 @@ def set_full_state(
         return
     unwrap(model).load_state_dict(model_state)
     if optimizer is not None and optim_state is not None:
-        names = iter(_names_in_optimizer_order(model, optimizer))
-        groups = [[next(names) for _ in g["params"]] for g in optimizer.param_groups]
+        ordered = iter(_names_in_optimizer_order(model, optimizer))
+        groups = [[next(ordered) for _ in g["params"]] for g in optimizer.param_groups]
         optimizer.load_state_dict(optimizer_state_by_position(optim_state, groups))
 
 

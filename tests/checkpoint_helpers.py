@@ -92,7 +92,9 @@ def build(strategy: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimize
     raise ValueError(strategy)
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, start: int, steps: int) -> list[float]:
+def train(
+    model: nn.Module, optimizer: torch.optim.Optimizer, start: int, steps: int
+) -> list[float]:
     """``steps`` optimiser steps on this rank's slice of the global batches; local losses.
 
     A plain module (no gradient sync) trains on the whole batch on every rank, so all
@@ -104,7 +106,9 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, start: int, steps:
     device = next(model.parameters()).device
     losses = []
     for step in range(start, start + steps):
-        batch = shard_batch(make_batch("transformer", GLOBAL_BATCH, step, config=CONFIG), rank, size)
+        batch = shard_batch(
+            make_batch("transformer", GLOBAL_BATCH, step, config=CONFIG), rank, size
+        )
         # model.zero_grad: ShardedDDP reduces through buckets that only its own zero_grad
         # clears; optimizer.zero_grad(set_to_none=True) would leave stale sums in them.
         model.zero_grad()
@@ -165,7 +169,11 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
             a, b = sorted(a, key=str), sorted(b, key=str)
         if len(a) != len(b):
             return [f"{path}: lengths {len(a)} != {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}/{i}")]
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in differences(x, y, f"{path}/{i}")
+        ]
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 

@@ -94,7 +94,10 @@ def test_consolidated_two_rank_shards_load_in_one_process(
 ) -> None:
     sharded, full = tmp_path / "sharded", tmp_path / "full.pt"
     saved = launch(
-        train_and_save, 2, args=(source, "sharded", str(sharded)), backend="gloo",
+        train_and_save,
+        2,
+        args=(source, "sharded", str(sharded)),
+        backend="gloo",
         start_method="fork",
     )
     assert main(["consolidate", str(sharded), str(full)]) == 0
@@ -109,12 +112,18 @@ def test_consolidated_two_rank_shards_load_in_one_process(
 def test_consolidated_one_rank_shards_load_on_two_ranks(tmp_path: Path) -> None:
     sharded, full = tmp_path / "sharded", tmp_path / "full.pt"
     saved = launch(
-        train_and_save, 1, args=("fsdp2", "sharded", str(sharded)), backend="gloo",
+        train_and_save,
+        1,
+        args=("fsdp2", "sharded", str(sharded)),
+        backend="gloo",
         start_method="fork",
     )
     checkpoint.consolidate(sharded, full)
     results = launch(
-        load_and_compare, 2, args=("fsdp1", str(full), saved[0]), backend="gloo",
+        load_and_compare,
+        2,
+        args=("fsdp1", str(full), saved[0]),
+        backend="gloo",
         start_method="fork",
     )
     assert [r["differences"] for r in results] == [[], []]

@@ -42,8 +42,14 @@ def trained_module() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def fake_full_file(path: Path, model_state: Any) -> None:
     payload = {
-        "format": checkpoint.FULL_FORMAT, "version": 1, "strategy": "module", "world_size": 1,
-        "optimizer_keys": "name", "model": model_state, "optimizer": None, "extra": None,
+        "format": checkpoint.FULL_FORMAT,
+        "version": 1,
+        "strategy": "module",
+        "world_size": 1,
+        "optimizer_keys": "name",
+        "model": model_state,
+        "optimizer": None,
+        "extra": None,
     }
     torch.save(payload, path)
 
@@ -107,7 +113,10 @@ def save_twice_second_fails_on_rank_1(rank: int, world_size: int, path: str) -> 
 def test_sharded_save_failing_on_one_rank_leaves_previous_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     results = launch(
-        save_twice_second_fails_on_rank_1, 2, args=(str(path),), backend="gloo",
+        save_twice_second_fails_on_rank_1,
+        2,
+        args=(str(path),),
+        backend="gloo",
         start_method="fork",
     )
     for result in results:  # every rank raised, not only the one whose disk failed
@@ -130,7 +139,7 @@ def test_payload_that_runs_code_is_refused_and_never_runs(tmp_path: Path) -> Non
     torch.load(control, weights_only=False)  # proves the payload really runs code
     assert control_marker.exists()
 
-    with pytest.raises(CheckpointError, match="refused to load .*crafted.pt.*could run code"):
+    with pytest.raises(CheckpointError, match=r"refused to load .*crafted.pt.*could run code"):
         checkpoint.load(crafted, nn.Linear(2, 2))
     assert not marker.exists()
 
@@ -139,9 +148,7 @@ def test_payload_that_runs_code_is_refused_and_never_runs(tmp_path: Path) -> Non
 def sharded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-rank FSDP2 sharded checkpoint, saved once; tests damage copies of it."""
     path = tmp_path_factory.mktemp("sharded") / "ckpt"
-    launch(
-        save_sharded_fsdp2, 2, args=(str(path),), backend="gloo", start_method="fork"
-    )
+    launch(save_sharded_fsdp2, 2, args=(str(path),), backend="gloo", start_method="fork")
     return path
 
 
@@ -167,10 +174,11 @@ def test_crafted_shard_is_refused_even_with_a_matching_index(
     shard = index["shards"][1]
     torch.save({"model": {"w": CodePayload(marker)}, "optimizer": None, "layout": {}}, path / shard)
     index["files"][shard] = {
-        "size": (path / shard).stat().st_size, "sha256": checkpoint_io.sha256_of(path / shard)
+        "size": (path / shard).stat().st_size,
+        "sha256": checkpoint_io.sha256_of(path / shard),
     }
     (path / "index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="refused to load .*rank1.pt"):
+    with pytest.raises(CheckpointError, match=r"refused to load .*rank1.pt"):
         checkpoint.consolidate(path, tmp_path / "full.pt")
     assert not marker.exists()
     assert not (tmp_path / "full.pt").exists()
@@ -213,7 +221,7 @@ def test_shard_changed_after_saving(damaged: tuple[Path, dict[str, Any]], tmp_pa
 def test_unfinished_sharded_save_has_no_index(damaged: tuple[Path, dict[str, Any]]) -> None:
     path, _ = damaged
     (path / "index.json").unlink()
-    with pytest.raises(CheckpointError, match="no index.json in .*not a finished sharded"):
+    with pytest.raises(CheckpointError, match=r"no index.json in .*not a finished sharded"):
         checkpoint.load(path, TinyTransformer(CONFIG))
 
 
@@ -232,7 +240,7 @@ def test_truncated_full_file(tmp_path: Path) -> None:
     model, optimizer = trained_module()
     checkpoint.save(path, model, optimizer)
     path.write_bytes(path.read_bytes()[:-200])
-    with pytest.raises(CheckpointError, match="ckpt.pt is truncated or corrupt"):
+    with pytest.raises(CheckpointError, match=r"ckpt.pt is truncated or corrupt"):
         checkpoint.load(path, *build("module", seed=1))
 
 
@@ -262,7 +270,7 @@ def test_optimizer_state_missing_from_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pt"
     model, optimizer = trained_module()
     checkpoint.save(path, model)
-    with pytest.raises(CheckpointError, match="holds no optimizer state.*optimizer=None"):
+    with pytest.raises(CheckpointError, match=r"holds no optimizer state.*optimizer=None"):
         checkpoint.load(path, model, optimizer)
 
 
@@ -292,5 +300,5 @@ def test_bad_save_arguments_raise_before_writing(
 
 
 def test_model_that_is_not_a_module() -> None:
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got dict"):
         checkpoint.save("x.pt", {"w": torch.zeros(1)})  # type: ignore[arg-type]
