@@ -28,26 +28,26 @@ read with ``torch.load(weights_only=True)``: see :mod:`fsdp_guide.checkpoint_io`
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from fsdp_guide.checkpoint_dir import (
+    agree,
+    attempt,
+    rank_and_world,
+    read_all_shards,
+    read_sharded,
+    write_sharded,
+)
 from fsdp_guide.checkpoint_io import (
-    INDEX_NAME,
     CheckpointError,
-    atomic_write_bytes,
     atomic_write_torch,
     check_weights_only_value,
-    read_index,
     read_torch,
-    sha256_of,
 )
 from fsdp_guide.checkpoint_shards import consolidate_shards, get_sharded_state, set_sharded_state
 from fsdp_guide.checkpoint_state import (
@@ -62,35 +62,7 @@ __all__ = ["CheckpointError", "Strategy", "consolidate", "detect_strategy", "loa
 
 CheckpointKind = Literal["full", "sharded"]
 FULL_FORMAT = "fsdp_guide.full"
-FORMAT_VERSION = 1
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _agree(error: str | None) -> None:
-    """Share each rank's failure with all ranks, so all raise together instead of hanging."""
-    _, world = _rank_and_world()
-    errors: list[str | None] = [error]
-    if world > 1:
-        errors = [None] * world
-        dist.all_gather_object(errors, error)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(message if world == 1 else f"rank {rank}: {message}")
-
-
-def _attempt(action: Any) -> tuple[Any, str | None]:
-    try:
-        return action(), None
-    except CheckpointError as exc:
-        return None, str(exc)
-    except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+FORMAT_VERSION = 1  # of both formats
 
 
 def _check_save_arguments(path: Path, kind: str, strategy: Strategy, extra: Any) -> None:
@@ -148,7 +120,7 @@ def save(
     path = Path(path)
     strategy = detect_strategy(model, optimizer)
     _check_save_arguments(path, kind, strategy, extra)
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     if kind == "full":
         model_state, optim_state = get_full_state(model, optimizer, strategy)
         error = None
@@ -163,73 +135,11 @@ def save(
                 "optimizer": optim_state,
                 "extra": extra,
             }
-            _, error = _attempt(lambda: atomic_write_torch(path, payload))
-        _agree(error)
+            _, error = attempt(lambda: atomic_write_torch(path, payload))
+        agree(error)
         return path
-    _save_sharded(path, model, optimizer, strategy, extra, rank, world)
+    write_sharded(path, get_sharded_state(model, optimizer, strategy), strategy, extra)
     return path
-
-
-def _save_sharded(
-    path: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    strategy: Strategy,
-    extra: dict[str, Any] | None,
-    rank: int,
-    world: int,
-) -> None:
-    shard = get_sharded_state(model, optimizer, strategy)
-    names = [f"data-{uuid.uuid4().hex[:12]}"]
-    if world > 1:  # every rank must write into the same new sub-directory
-        dist.broadcast_object_list(names, src=0)
-    data = path / names[0]
-
-    def write_own_files() -> dict[str, dict[str, Any]]:
-        written = {f"rank{rank}.pt": shard}
-        if rank == 0:
-            written["extra.pt"] = {"extra": extra}
-        info = {}
-        for name, payload in written.items():
-            atomic_write_torch(data / name, payload)
-            info[f"{names[0]}/{name}"] = {
-                "size": (data / name).stat().st_size,
-                "sha256": sha256_of(data / name),
-            }
-        return info
-
-    info, error = _attempt(write_own_files)
-    gathered: list[Any] = [(info, error)]
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (info, error))
-    error = next((f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e), None)
-    if error is None and rank == 0:
-        files: dict[str, Any] = {}
-        for rank_info, _ in gathered:
-            files.update(rank_info)
-        index = {
-            "format": "fsdp_guide.sharded",
-            "version": FORMAT_VERSION,
-            "strategy": strategy,
-            "world_size": world,
-            "shards": [f"{names[0]}/rank{r}.pt" for r in range(world)],
-            "extra": f"{names[0]}/extra.pt",
-            "files": files,
-        }
-        _, error = _attempt(
-            lambda: atomic_write_bytes(path / INDEX_NAME, json.dumps(index, indent=1).encode())
-        )
-    if rank == 0:
-        # After a success the older data directories go; after a failure, this attempt's.
-        for data_dir in path.glob("data-*"):
-            if (data_dir.name == names[0]) == (error is not None):
-                shutil.rmtree(data_dir, ignore_errors=True)
-    outcome = [error]  # rank 0 knows every rank's write error and its own index error
-    if world > 1:
-        dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise CheckpointError(outcome[0])
 
 
 def load(
@@ -264,11 +174,18 @@ def load(
     """
     path = Path(path)
     strategy = detect_strategy(model, optimizer)
-    rank, world = _rank_and_world()
     if path.is_dir():
-        return _load_sharded(path, model, optimizer, strategy, rank, world)
-    payload, error = _attempt(lambda: _read_full(path))
-    _agree(error)
+        shard, extra = read_sharded(path, strategy)
+        if optimizer is not None and shard["optimizer"] is None:
+            raise CheckpointError(
+                f"{path} holds no optimizer state (saved without an optimizer); pass "
+                "optimizer=None to load the model only"
+            )
+        set_sharded_state(model, optimizer, strategy, shard)
+        return extra
+    payload, error = attempt(lambda: _read_full(path))
+    agree(error)
+    assert payload is not None
     if optimizer is not None and payload["optimizer"] is None:
         raise CheckpointError(
             f"{path} holds no optimizer state (saved without an optimizer, or consolidated "
@@ -280,8 +197,8 @@ def load(
             "FSDP; pass optimizer=None to load the model only"
         )
     set_full_state(model, optimizer, strategy, payload["model"], payload["optimizer"])
-    extra: dict[str, Any] | None = payload["extra"]
-    return extra
+    saved_extra: dict[str, Any] | None = payload["extra"]
+    return saved_extra
 
 
 def _read_full(path: Path) -> dict[str, Any]:
@@ -289,43 +206,6 @@ def _read_full(path: Path) -> dict[str, Any]:
     if not isinstance(payload, dict) or payload.get("format") != FULL_FORMAT:
         raise CheckpointError(f"{path} is not a full checkpoint written by fsdp_guide")
     return payload
-
-
-def _load_sharded(
-    path: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    strategy: Strategy,
-    rank: int,
-    world: int,
-) -> dict[str, Any] | None:
-    def read() -> tuple[dict[str, Any], dict[str, Any]]:
-        index = read_index(path, verify=False)
-        if index["world_size"] != world:
-            raise CheckpointError(
-                f"{path} is a sharded checkpoint saved on {index['world_size']} ranks, and "
-                f"this run has {world}: a sharded checkpoint loads only at the world size that "
-                f"saved it. Consolidate it (python -m fsdp_guide consolidate {path} FILE) and "
-                "load the full file"
-            )
-        saved = index["strategy"]
-        torch_fsdp = ("fsdp1", "fsdp2")
-        if saved != strategy and not (saved in torch_fsdp and strategy in torch_fsdp):
-            raise CheckpointError(
-                f"{path} was saved by {saved!r} shards and this model is {strategy!r}; "
-                "consolidate it into a full checkpoint to change strategy"
-            )
-        for name in (index["shards"][rank], index["extra"]):
-            if sha256_of(path / name) != index["files"][name]["sha256"]:
-                raise CheckpointError(f"{path / name} does not match its SHA-256 in the index")
-        return read_torch(path / index["shards"][rank]), read_torch(path / index["extra"])
-
-    result, error = _attempt(read)
-    _agree(error)
-    shard, extra_file = result
-    set_sharded_state(model, optimizer, strategy, shard)
-    extra: dict[str, Any] | None = extra_file["extra"]
-    return extra
 
 
 def consolidate(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Any]:
@@ -350,8 +230,7 @@ def consolidate(source: str | os.PathLike[str], target: str | os.PathLike[str]) 
         raise CheckpointError(
             f"{source} is not a directory; consolidate takes a sharded checkpoint"
         )
-    index = read_index(source, verify=True)
-    shards = [read_torch(source / name) for name in index["shards"]]
+    index, shards, extra = read_all_shards(source)
     model_state, optim_state = consolidate_shards(shards, index["strategy"])
     payload = {
         "format": FULL_FORMAT,
@@ -361,7 +240,7 @@ def consolidate(source: str | os.PathLike[str], target: str | os.PathLike[str]) 
         "optimizer_keys": "name",
         "model": model_state,
         "optimizer": optim_state,
-        "extra": read_torch(source / index["extra"])["extra"],
+        "extra": extra,
     }
     atomic_write_torch(target, payload)
     tensors = [v for v in model_state.values() if isinstance(v, torch.Tensor)]

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from fsdp_guide.checkpoint_io import CheckpointError
-from fsdp_guide.checkpoint_state import Strategy, check_names_and_shapes, shape_of
+from fsdp_guide.checkpoint_names import check_names_and_shapes, shape_of
+from fsdp_guide.checkpoint_state import Strategy
 
 __all__ = ["consolidate_shards", "get_sharded_state", "set_sharded_state"]
 
