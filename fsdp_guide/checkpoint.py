@@ -224,6 +224,20 @@ def consolidate(source: str | os.PathLike[str], target: str | os.PathLike[str]) 
 
     Raises:
         CheckpointError: The source is not a complete, intact sharded checkpoint.
+
+    Examples:
+        A one-rank sharded checkpoint, written by hand:
+
+        >>> import tempfile
+        >>> from fsdp_guide.checkpoint_dir import write_sharded
+        >>> root = Path(tempfile.mkdtemp())
+        >>> layer = nn.Linear(2, 1)
+        >>> shard = {"model": dict(layer.state_dict()), "optimizer": None, "layout": {}}
+        >>> write_sharded(root / "sharded", shard, "fsdp2", {"step": 3})
+        >>> consolidate(root / "sharded", root / "full.pt")
+        {'strategy': 'fsdp2', 'world_size': 1, 'tensors': 2, 'bytes': 12, 'optimizer': False}
+        >>> load(root / "full.pt", nn.Linear(2, 1))
+        {'step': 3}
     """
     source, target = Path(source), Path(target)
     if not source.is_dir():

@@ -103,6 +103,18 @@ def write_sharded(
     Raises:
         CheckpointError: On every rank, when writing failed on any rank; the previous
             checkpoint in ``path`` is left as it was.
+
+    Examples:
+        Without a process group, as one rank:
+
+        >>> import tempfile, torch
+        >>> path = Path(tempfile.mkdtemp()) / "ckpt"
+        >>> shard = {"model": {"w": torch.ones(2)}, "optimizer": None, "layout": {}}
+        >>> write_sharded(path, shard, "fsdp2", {"step": 3})
+        >>> sorted(p.name for p in path.iterdir())[-1]
+        'index.json'
+        >>> read_sharded(path, "fsdp2")
+        ({'model': {'w': tensor([1., 1.])}, 'optimizer': None, 'layout': {}}, {'step': 3})
     """
     rank, world = rank_and_world()
     names = [f"data-{uuid.uuid4().hex[:12]}"]
@@ -166,6 +178,9 @@ def read_sharded(path: Path, strategy: str) -> tuple[dict[str, Any], dict[str, A
     Raises:
         CheckpointError: On every rank, when any rank finds a missing, truncated or changed
             file, another world size, or a strategy whose shards do not fit.
+
+    Examples:
+        See :func:`write_sharded`.
     """
     rank, world = rank_and_world()
 

@@ -78,6 +78,21 @@ def get_sharded_state(
 
     Raises:
         ValueError: For a strategy that does not shard parameters.
+
+    Examples:
+        FSDP2 on a one-rank gloo group (the shard is then the whole tensor):
+
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> from fsdp_guide import dist_init, find_free_port
+        >>> dist_init(0, 1, master_port=find_free_port())
+        >>> model = fully_shard(nn.Linear(4, 2), mesh=init_device_mesh("cpu", (1,)))
+        >>> shard = get_sharded_state(model, None, "fsdp2")
+        >>> shard["layout"]["model/weight"], type(shard["model"]["weight"]).__name__
+        ({'shape': [2, 4], 'offset': [0, 0]}, 'Tensor')
+        >>> set_sharded_state(model, None, "fsdp2", shard)
+        >>> dist.destroy_process_group()
     """
     if strategy == "fairscale_fsdp":
         return {
@@ -139,6 +154,9 @@ def set_sharded_state(
 
     Raises:
         CheckpointError: Names or shapes differ (the message lists them).
+
+    Examples:
+        See :func:`get_sharded_state`.
     """
     if strategy == "fairscale_fsdp":
         model.load_local_state_dict(shard["model"])  # type: ignore[operator]

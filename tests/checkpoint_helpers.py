@@ -43,10 +43,12 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def build(strategy: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(
+    strategy: str, seed: int = 0, config: TransformerConfig = CONFIG
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A tiny transformer wrapped and optimised the way ``strategy`` does it."""
     torch.manual_seed(seed)
-    model: nn.Module = TinyTransformer(CONFIG)
+    model: nn.Module = TinyTransformer(config)
     params = list(model.parameters())
     if strategy == "module":
         return model, torch.optim.AdamW(params, lr=LR)

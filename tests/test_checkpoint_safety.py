@@ -12,7 +12,7 @@ import torch
 from checkpoint_helpers import CONFIG, build, differences, snapshot, train
 from torch import nn
 
-from fsdp_guide import checkpoint, checkpoint_io, launch
+from fsdp_guide import RankError, checkpoint, checkpoint_io, launch
 from fsdp_guide.checkpoint import CheckpointError
 from fsdp_guide.models import MLP, TinyTransformer, TransformerConfig
 
@@ -233,6 +233,32 @@ def test_sharded_checkpoint_at_wrong_world_size(damaged: tuple[Path, dict[str, A
         match=r"saved on 2 ranks, and this run has 1.*python -m fsdp_guide consolidate",
     ):
         checkpoint.load(path, TinyTransformer(CONFIG))
+
+
+def load_sharded_into_wider_model(rank: int, world_size: int, path: str) -> None:
+    model, optimizer = build("fsdp2", seed=0)
+    checkpoint.save(path, model, optimizer, kind="sharded")
+    wider = TransformerConfig(vocab_size=32, dim=16, n_heads=2, n_layers=3, seq_len=8, mlp_ratio=4)
+    other, other_optimizer = build("fsdp2", seed=0, config=wider)
+    checkpoint.load(path, other, other_optimizer)  # raises on every rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sharded_checkpoint_into_a_different_model_lists_the_differences(tmp_path: Path) -> None:
+    with pytest.raises(
+        RankError,
+        match=r"CheckpointError: the checkpoint does not fit this model: in the model but not "
+        r"in the checkpoint: blocks\.2\.fc1\.bias.*shapes differ: blocks\.0\.fc1\.bias: "
+        r"checkpoint \[32\] vs model \[64\]",
+    ):
+        launch(
+            load_sharded_into_wider_model,
+            2,
+            args=(str(tmp_path / "ckpt"),),
+            backend="gloo",
+            start_method="fork",
+        )
 
 
 def test_truncated_full_file(tmp_path: Path) -> None:
