@@ -1,18 +1,22 @@
 """Save and restore training state for every way of sharding, safely: :func:`save`, :func:`load`.
 
 Both are collective: every rank calls them with its own model and optimizer. The strategy is
-read from their types (:func:`detect_strategy`): a plain module, DDP, PyTorch
-``ZeroRedundancyOptimizer``, FairScale OSS and ShardedDDP, PyTorch FSDP1 and FSDP2, and
-FairScale FSDP.
+read from their types (:func:`detect_strategy`), never passed in: a plain module, DDP,
+PyTorch ``ZeroRedundancyOptimizer``, FairScale OSS and ShardedDDP, PyTorch FSDP1 and FSDP2,
+and FairScale FSDP. ``extra`` (step, epoch, RNG states as tensors) is saved by rank 0 and
+returned by :func:`load`; restoring RNG states from it is the caller's move
+(``torch.set_rng_state(extra["rng"])``), since only the caller knows which generators matter.
 
 Two formats:
 
 ``kind="full"``: one file, written by rank 0
     The state an unsharded model would have, with the optimizer state keyed by parameter
-    name. Sharded optimizer states (ZeRO, OSS) are consolidated to rank 0 first, FSDP
-    parameters are gathered to rank 0 only (on CPU), so no other rank holds a full copy.
-    It loads at any world size and into any strategy (FairScale FSDP's optimizer state
-    only into FairScale FSDP). Every rank reads the file when loading.
+    name. ZeRO and OSS optimizer states are consolidated to rank 0 (every rank sends its
+    shard, only rank 0 holds the whole) and written once. FSDP parameters on GPU are
+    gathered into rank 0's host memory only; on CPU every rank holds the gathered copy
+    while saving (FSDP1 cannot "offload" tensors that are already on the CPU). The file
+    loads at any world size and into any strategy (FairScale FSDP's optimizer state only
+    into FairScale FSDP). Every rank reads the whole file when loading.
 
 ``kind="sharded"``: a directory (FSDP1, FSDP2, FairScale FSDP)
     ``rank<N>.pt`` per rank and ``extra.pt`` in a ``data-<id>`` sub-directory, and
@@ -20,10 +24,13 @@ Two formats:
     The index is replaced last, so until a save completes the directory still describes
     the previous checkpoint; older ``data-*`` directories are then removed. It loads only
     at the world size that saved it; :func:`consolidate` (or ``python -m fsdp_guide
-    consolidate SRC DST``) turns it into a full checkpoint.
+    consolidate SRC DST``) turns it into a full checkpoint. See
+    :mod:`fsdp_guide.checkpoint_dir` and :mod:`fsdp_guide.checkpoint_shards`.
 
 Files are written beside their target, flushed, ``fsync``-ed and renamed into place, and
-read with ``torch.load(weights_only=True)``: see :mod:`fsdp_guide.checkpoint_io`.
+read with ``torch.load(weights_only=True)``: see :mod:`fsdp_guide.checkpoint_io`. Any
+failure on one rank makes every rank raise the same :class:`CheckpointError`, so no rank is
+left waiting in a collective and nothing is loaded partially.
 """
 
 from __future__ import annotations

@@ -126,20 +126,31 @@ def _leaves(value: Any, path: str) -> dict[str, Any]:
     return {path: value}
 
 
-def _copy_into(template: Any, saved: Any, path: str) -> Any:
-    """Copy saved local pieces into the live sharded template; plain values are replaced."""
+def _copy_into(template: Any, saved: Any, path: str, check_only: bool = False) -> Any:
+    """Copy saved local pieces into the live sharded template; plain values are replaced.
+
+    With ``check_only`` nothing is copied: a first pass finds any mismatch before the
+    second pass changes a single parameter, so a failed load leaves the model as it was.
+    """
     if isinstance(template, dict):
-        return {k: _copy_into(v, saved[k], f"{path}/{k}") for k, v in template.items()}
+        if not isinstance(saved, dict) or set(saved) != set(template):
+            raise CheckpointError(
+                f"{path}: the checkpoint's entries differ from this model's; load with the "
+                "same model, optimizer and sharding that saved it"
+            )
+        return {k: _copy_into(v, saved[k], f"{path}/{k}", check_only) for k, v in template.items()}
     if isinstance(template, torch.Tensor):
         local, _ = _local_piece(template)
-        if tuple(local.shape) != tuple(saved.shape):
+        if not isinstance(saved, torch.Tensor) or tuple(local.shape) != tuple(saved.shape):
+            found = list(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
             raise CheckpointError(
                 f"{path}: this rank's shard has shape {list(local.shape)} but the checkpoint's "
-                f"has {list(saved.shape)}; load with the same sharding that saved it, or "
-                "consolidate the checkpoint and load the full one"
+                f"has {found}; load with the same sharding that saved it, or consolidate the "
+                "checkpoint and load the full one"
             )
-        with torch.no_grad():
-            local.copy_(saved)
+        if not check_only:
+            with torch.no_grad():
+                local.copy_(saved)
         return template
     return saved
 
@@ -179,8 +190,7 @@ def set_sharded_state(
     }
     live_shapes = {k: shape_of(v) for k, v in model_live.items()}
     check_names_and_shapes(live_shapes, saved_shapes)
-    model_new = _copy_into(dict(model_live), shard["model"], "model")
-    optim_new: dict[str, Any] = {}
+    optim_saved: dict[str, Any] = {}
     if optimizer is not None and shard["optimizer"] is not None:
         saved_leaves = set(_leaves(shard["optimizer"]["state"], "state"))
         live_leaves = set(_leaves(dict(optim_live)["state"], "state"))
@@ -190,8 +200,17 @@ def set_sharded_state(
                 dict.fromkeys(saved_leaves, ()),
                 what="optimizer",
             )
+        optim_saved = shard["optimizer"]["state"]
+    pairs: list[tuple[Any, Any, str]] = [(dict(model_live), shard["model"], "model")]
+    if optim_saved:
+        pairs.append((dict(optim_live)["state"], optim_saved, "state"))
+    for live, saved, path in pairs:  # every check before the first copy
+        _copy_into(live, saved, path, check_only=True)
+    model_new = _copy_into(dict(model_live), shard["model"], "model")
+    optim_new: dict[str, Any] = {}
+    if optim_saved:
         optim_new = {
-            "state": _copy_into(dict(optim_live)["state"], shard["optimizer"]["state"], "state"),
+            "state": _copy_into(dict(optim_live)["state"], optim_saved, "state"),
             "param_groups": shard["optimizer"]["param_groups"],
         }
     set_state_dict(model, optimizers, model_state_dict=model_new, optim_state_dict=optim_new)

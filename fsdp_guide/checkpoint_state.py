@@ -223,11 +223,14 @@ def set_full_state(
         if optimizer is not None and optim_state is not None:
             optimizer.load_state_dict(model.get_shard_from_optim_state_dict(optim_state))  # type: ignore[operator]
         return
-    unwrap(model).load_state_dict(model_state)
-    if optimizer is not None and optim_state is not None:
+    by_position = None
+    if optimizer is not None and optim_state is not None:  # checked before the model changes
         ordered = iter(names_in_optimizer_order(unwrap(model), optimizer))
         groups = [[next(ordered) for _ in g["params"]] for g in optimizer.param_groups]
-        optimizer.load_state_dict(optimizer_state_by_position(optim_state, groups))
+        by_position = optimizer_state_by_position(optim_state, groups)
+    unwrap(model).load_state_dict(model_state)
+    if optimizer is not None and by_position is not None:
+        optimizer.load_state_dict(by_position)
 
 
 def _check_optimizer_names(model: nn.Module, saved: list[str]) -> None:

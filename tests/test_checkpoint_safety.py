@@ -328,3 +328,19 @@ def test_bad_save_arguments_raise_before_writing(
 def test_model_that_is_not_a_module() -> None:
     with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got dict"):
         checkpoint.save("x.pt", {"w": torch.zeros(1)})  # type: ignore[arg-type]
+
+
+def test_failed_load_leaves_the_model_unchanged(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save(path, *trained_module())
+    model = TinyTransformer(CONFIG)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fewer = [p for n, p in model.named_parameters() if not n.startswith("blocks.0.")]
+    optimizer = torch.optim.AdamW(fewer)
+    with pytest.raises(
+        CheckpointError,
+        match=r"in the checkpoint but not in the optimizer's parameters: blocks\.0\.fc1\.bias",
+    ):
+        checkpoint.load(path, model, optimizer)
+    assert differences(before, dict(model.state_dict())) == []
+    assert optimizer.state_dict()["state"] == {}
