@@ -1,0 +1,244 @@
+"""Training state in and out of each way of sharding: the part of a checkpoint that is collective.
+
+:func:`detect_strategy` reads the strategy from the types of the model and optimizer.
+A *full* state is the one an unsharded model would have: parameter names without wrapper
+prefixes (``module.``, ``_fsdp_wrapped_module.``), whole tensors, and an optimizer state
+keyed by parameter name instead of position, so it loads into any strategy at any world
+size. A *sharded* state is what one rank holds (PyTorch FSDP1 and FSDP2 through
+:mod:`torch.distributed.checkpoint.state_dict`; FairScale FSDP through its local state
+dict), with the offset of each shard in its whole tensor so shards can be stitched together
+offline (:mod:`fsdp_guide.checkpoint_shards`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from fsdp_guide.checkpoint_names import (
+    check_names_and_shapes,
+    names_in_optimizer_order,
+    optimizer_state_by_name,
+    optimizer_state_by_position,
+    shape_of,
+)
+
+__all__ = [
+    "SHARDED_STRATEGIES",
+    "Strategy",
+    "detect_strategy",
+    "get_full_state",
+    "set_full_state",
+    "unwrap",
+]
+
+Strategy = Literal[
+    "module", "ddp", "zero", "oss", "sharded_ddp", "fsdp1", "fsdp2", "fairscale_fsdp"
+]
+SHARDED_STRATEGIES: tuple[str, ...] = ("fsdp1", "fsdp2", "fairscale_fsdp")
+_OptimizerState = dict[str, Any]
+
+
+def _fairscale_types() -> tuple[type, type, type] | None:
+    # A model can only be a FairScale type if FairScale was imported: keep it lazy.
+    if "fairscale" not in sys.modules:
+        return None
+    from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
+    from fairscale.optim import OSS
+
+    return FullyShardedDataParallel, ShardedDataParallel, OSS
+
+
+def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Strategy:
+    """Name the way ``model`` and ``optimizer`` are sharded, from their types.
+
+    Checked in this order: FairScale FSDP, PyTorch FSDP2 (``fully_shard`` on the root),
+    PyTorch FSDP1, FairScale ShardedDDP, then the optimizer (FairScale OSS, PyTorch
+    ``ZeroRedundancyOptimizer``), then DDP, else a plain module.
+
+    Raises:
+        TypeError: ``model`` is not a module, or FSDP1/FSDP2 is applied to sub-modules
+            only (wrap the root too: state dicts are taken from the root).
+
+    Examples:
+        >>> detect_strategy(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters()))
+        'module'
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    fairscale = _fairscale_types()
+    if fairscale is not None and isinstance(model, fairscale[0]):
+        return "fairscale_fsdp"
+    if isinstance(model, FSDPModule):
+        return "fsdp2"
+    if isinstance(model, FSDP1):
+        return "fsdp1"
+    if any(isinstance(m, FSDPModule | FSDP1) for m in model.modules()):
+        raise TypeError(
+            "FSDP is applied to sub-modules but not to the root module; wrap the root as well "
+            "(fully_shard(model) or FullyShardedDataParallel(model)) before saving or loading"
+        )
+    if fairscale is not None and isinstance(model, fairscale[1]):
+        return "sharded_ddp"
+    if fairscale is not None and isinstance(optimizer, fairscale[2]):
+        return "oss"
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return "zero"
+    if isinstance(model, DistributedDataParallel):
+        return "ddp"
+    return "module"
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP or ShardedDDP wrapper (``model.module``), else ``model``.
+
+    Examples:
+        >>> layer = nn.Linear(2, 2)
+        >>> unwrap(layer) is layer
+        True
+    """
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) and not _is_torch_fsdp(model) else model
+
+
+def _is_torch_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    return isinstance(model, FSDPModule | FSDP1)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy
+) -> tuple[dict[str, Any] | None, _OptimizerState | None]:
+    """Gather the full model and optimizer state on rank 0 (collective: call on every rank).
+
+    Returns:
+        ``(model_state, optimizer_state)`` on rank 0, ``(None, None)`` on the other ranks.
+        The optimizer state is keyed by parameter name, except for FairScale FSDP, whose
+        own gathered format (keyed by position) is kept.
+
+    Examples:
+        >>> layer = nn.Linear(2, 1)
+        >>> model_state, optim_state = get_full_state(layer, None, "module")
+        >>> sorted(model_state), optim_state
+        (['bias', 'weight'], None)
+    """
+    if strategy in ("fsdp1", "fsdp2"):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        # On GPU, cpu_offload gathers to rank 0's host memory only. Parameters already on
+        # the CPU must not be "offloaded": FSDP1 then frees the storage it is reading.
+        on_gpu = any(p.is_cuda for p in model.parameters())
+        options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
+        model_state, optim_state = get_state_dict(
+            model, [optimizer] if optimizer is not None else [], options=options
+        )
+        if _rank() != 0:
+            return None, None
+        return dict(model_state), (dict(optim_state) if optimizer is not None else None)
+    if strategy == "fairscale_fsdp":
+        model_state = model.state_dict()  # collective: every rank takes part in the gather
+        gathered = model.gather_full_optim_state_dict(optimizer) if optimizer else None  # type: ignore[operator]
+        return (dict(model_state), gathered) if _rank() == 0 else (None, None)
+    if optimizer is not None and strategy in ("zero", "oss", "sharded_ddp"):
+        consolidate = optimizer.consolidate_state_dict  # type: ignore[attr-defined]
+        # Every rank sends its shard; only rank 0 keeps the whole state.
+        consolidate(0) if strategy == "zero" else consolidate(recipient_rank=0)
+    if _rank() != 0:
+        return None, None
+    model_state = dict(unwrap(model).state_dict())
+    if optimizer is None:
+        return model_state, None
+    names = names_in_optimizer_order(unwrap(model), optimizer)
+    return model_state, optimizer_state_by_name(optimizer.state_dict(), names)
+
+
+def expected_model_shapes(model: nn.Module, strategy: Strategy) -> dict[str, tuple[int, ...]]:
+    """Names and whole-tensor shapes of the model's state dict, without gathering anything.
+
+    Examples:
+        >>> expected_model_shapes(nn.Linear(3, 2), "module")
+        {'weight': (2, 3), 'bias': (2,)}
+    """
+    if strategy in ("fsdp1", "fsdp2"):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sharded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+        return {k: shape_of(v) for k, v in sharded.items()}
+    return {k: shape_of(v) for k, v in unwrap(model).state_dict().items()}
+
+
+def set_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strategy: Strategy,
+    model_state: dict[str, Any],
+    optim_state: _OptimizerState | None,
+) -> None:
+    """Load a full state (from :func:`get_full_state`, on every rank) into any strategy.
+
+    Raises:
+        CheckpointError: Parameter names or shapes differ (the message lists them).
+
+    Examples:
+        >>> source, target = nn.Linear(2, 1), nn.Linear(2, 1)
+        >>> set_full_state(target, None, "module", *get_full_state(source, None, "module"))
+        >>> torch.equal(source.weight, target.weight)
+        True
+    """
+    if strategy != "fairscale_fsdp":
+        saved_shapes = {k: shape_of(v) for k, v in model_state.items()}
+        check_names_and_shapes(expected_model_shapes(model, strategy), saved_shapes)
+    if strategy in ("fsdp1", "fsdp2"):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        if optimizer is not None and optim_state is not None:
+            names = [n for g in optim_state["param_groups"] for n in g["params"]]
+            _check_optimizer_names(model, names)
+        set_state_dict(
+            model,
+            [optimizer] if optimizer is not None else [],
+            model_state_dict=model_state,
+            optim_state_dict=optim_state if optimizer is not None and optim_state else {},
+            options=StateDictOptions(full_state_dict=True),
+        )
+        return
+    if strategy == "fairscale_fsdp":
+        model.load_state_dict(model_state)
+        if optimizer is not None and optim_state is not None:
+            optimizer.load_state_dict(model.get_shard_from_optim_state_dict(optim_state))  # type: ignore[operator]
+        return
+    by_position = None
+    if optimizer is not None and optim_state is not None:  # checked before the model changes
+        ordered = iter(names_in_optimizer_order(unwrap(model), optimizer))
+        groups = [[next(ordered) for _ in g["params"]] for g in optimizer.param_groups]
+        by_position = optimizer_state_by_position(optim_state, groups)
+    unwrap(model).load_state_dict(model_state)
+    if optimizer is not None and by_position is not None:
+        optimizer.load_state_dict(by_position)
+
+
+def _check_optimizer_names(model: nn.Module, saved: list[str]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # Optimizer states of FSDP models are keyed by the unwrapped parameter names.
+    options = StateDictOptions(full_state_dict=False)
+    params = {k for k in get_model_state_dict(model, options=options)}
+    unknown = sorted(set(saved) - params)
+    if unknown:
+        check_names_and_shapes({}, {n: () for n in unknown}, what="optimizer's parameters")
