@@ -41,6 +41,15 @@ def local_optimizer_state_bytes(optimizer: Any) -> int:
     return tensor_bytes(dict(inner.state))
 
 
+def global_grad_norm(optimizer: Any) -> float:
+    """The L2 norm of all gradients across ranks (a collective for OSS), without clipping."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    if hasattr(optimizer, "clip_grad_norm"):  # OSS: each rank holds its shard's reduced grads
+        return float(optimizer.clip_grad_norm(float("inf")))
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return float(torch.nn.utils.clip_grad_norm_(params, float("inf")))
+
+
 class RecorderMixin:
     """Records losses and diagnostics; writes them to ``out_dir/rank<N>.json`` at the end."""
 
@@ -49,7 +58,7 @@ class RecorderMixin:
 
     def init_recorder(self, out_dir: Path | str) -> None:
         self.out_dir = Path(out_dir)
-        self.record = {"loss": [], "accumulating": [], "lr": []}
+        self.record = {"loss": [], "accumulating": [], "lr": [], "norm_before": [], "norm_after": []}
 
     def remember_loss(self, loss: Tensor) -> None:
         self.record["loss"].append(float(loss.detach()))
@@ -61,13 +70,23 @@ class RecorderMixin:
     def on_train_batch_end(self, *args: Any) -> None:
         self.record["lr"].append(self.trainer.optimizers[0].param_groups[0]["lr"])  # type: ignore[attr-defined]
 
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        self.record["norm_before"].append(global_grad_norm(optimizer))
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)  # type: ignore[attr-defined]
+        self.record["norm_after"].append(global_grad_norm(optimizer))
+
     def on_train_end(self) -> None:
         trainer = self.trainer  # type: ignore[attr-defined]
         self.record["optimizer_state_bytes"] = [local_optimizer_state_bytes(trainer.optimizers[0])]
         self.record["optimizer_type"] = [type(trainer.optimizers[0]).__name__]
         self.record["model_type"] = [type(trainer.strategy.model).__name__]
+        self.write_record()
+
+    def write_record(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / f"rank{trainer.global_rank}.json"
+        path = self.out_dir / f"rank{self.trainer.global_rank}.json"  # type: ignore[attr-defined]
         path.write_text(json.dumps(self.record))
 
 

@@ -10,7 +10,12 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-__all__ = ["check_extra_kwargs", "retarget_schedulers", "unwrap_optimizer"]
+__all__ = [
+    "check_extra_kwargs",
+    "constructor_defaults",
+    "retarget_schedulers",
+    "unwrap_optimizer",
+]
 
 
 def check_extra_kwargs(
@@ -94,3 +99,22 @@ def retarget_schedulers(schedulers: Iterable[Any], old: Optimizer, new: Optimize
         tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         new.step = tracked_step  # type: ignore[method-assign]
     return moved
+
+
+def constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
+    """The optimizer's hyper-parameters that its class constructor accepts.
+
+    ``optimizer.defaults`` can hold keys the constructor does not take (torch's ``AdamW``
+    stores ``decoupled_weight_decay``), so they are filtered by the signature.
+
+    Examples:
+        >>> import torch
+        >>> adamw = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=0.5)
+        >>> defaults = constructor_defaults(adamw)
+        >>> defaults["lr"], "decoupled_weight_decay" in adamw.defaults, "decoupled_weight_decay" in defaults
+        (0.5, True, False)
+    """
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}

@@ -31,7 +31,12 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
-from fsdp_guide.strategies._common import check_extra_kwargs, retarget_schedulers, unwrap_optimizer
+from fsdp_guide.strategies._common import (
+    check_extra_kwargs,
+    constructor_defaults,
+    retarget_schedulers,
+    unwrap_optimizer,
+)
 from fsdp_guide.strategies._precision import to_sharded_precision
 
 if TYPE_CHECKING:
@@ -183,7 +188,7 @@ class DDPShardedStrategy(DDPStrategy):
                 sharded.append(plain)
                 continue
             groups = [dict(group) for group in plain.param_groups]
-            oss = OSS(params=groups, optim=type(plain), **plain.defaults)
+            oss = OSS(params=groups, optim=type(plain), **constructor_defaults(plain))
             retarget_schedulers(schedulers, plain, oss)
             sharded.append(oss)
         self.optimizers = sharded
