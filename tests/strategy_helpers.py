@@ -58,7 +58,13 @@ class RecorderMixin:
 
     def init_recorder(self, out_dir: Path | str) -> None:
         self.out_dir = Path(out_dir)
-        self.record = {"loss": [], "accumulating": [], "lr": [], "norm_before": [], "norm_after": []}
+        self.record = {
+            "loss": [],
+            "accumulating": [],
+            "lr": [],
+            "norm_before": [],
+            "norm_after": [],
+        }
 
     def remember_loss(self, loss: Tensor) -> None:
         self.record["loss"].append(float(loss.detach()))

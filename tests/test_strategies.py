@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
+from pytorch_lightning.strategies import DDPStrategy
 from strategy_helpers import (
     RecordingBoringModel,
     RecordingTransformer,
@@ -22,10 +22,7 @@ from strategy_helpers import (
 )
 
 from fsdp_guide.strategies import (
-    STRATEGY_NAMES,
-    DDPFullyShardedStrategy,
     DDPShardedStrategy,
-    register_fairscale_strategies,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -112,11 +109,23 @@ def test_save_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
     # with the next epoch's first batch (mid-epoch it would restart the data).
     options: dict[str, Any] = {"limit_train_batches": 3}
     fit(sharded(), RecordingBoringModel(tmp_path / "full"), max_steps=6, **options)
-    fit(sharded(), RecordingBoringModel(tmp_path / "first"), max_steps=3, callbacks=[SaveAt()], **options)
+    fit(
+        sharded(),
+        RecordingBoringModel(tmp_path / "first"),
+        max_steps=3,
+        callbacks=[SaveAt()],
+        **options,
+    )
     saved = torch.load(ckpt, weights_only=False)
     # Consolidated: one full Adam state (both parameters) written once, by rank 0.
     assert len(saved["optimizer_states"][0]["state"]) == 2
-    fit(sharded(), RecordingBoringModel(tmp_path / "resumed"), max_steps=6, ckpt_path=str(ckpt), **options)
+    fit(
+        sharded(),
+        RecordingBoringModel(tmp_path / "resumed"),
+        max_steps=6,
+        ckpt_path=str(ckpt),
+        **options,
+    )
     full, first, resumed = (read_records(tmp_path / d) for d in ("full", "first", "resumed"))
     for rank in range(2):
         assert first[rank]["loss"] == full[rank]["loss"][:3]

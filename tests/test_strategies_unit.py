@@ -58,15 +58,24 @@ def test_registration_is_idempotent_and_refuses_foreign_names() -> None:
 
 
 def test_trainer_accepts_the_string_name() -> None:
-    trainer = pl.Trainer(strategy="ddp_sharded_notebook", accelerator="cpu", devices=2, logger=False)
+    trainer = pl.Trainer(
+        strategy="ddp_sharded_notebook", accelerator="cpu", devices=2, logger=False
+    )
     assert isinstance(trainer.strategy, DDPShardedStrategy)
-    assert trainer.strategy.launcher is not None and trainer.strategy.launcher.is_interactive_compatible
+    assert (
+        trainer.strategy.launcher is not None
+        and trainer.strategy.launcher.is_interactive_compatible
+    )
 
 
 @pytest.mark.parametrize(
     ("cls", "kwargs", "match"),
     [
-        (DDPShardedStrategy, {"find_unused_parameters": True}, r"unknown argument\(s\) \['find_unused"),
+        (
+            DDPShardedStrategy,
+            {"find_unused_parameters": True},
+            r"unknown argument\(s\) \['find_unused",
+        ),
         (DDPShardedStrategy, {"sharded_optimizer": []}, "unknown argument"),
         (DDPFullyShardedStrategy, {"offload": True}, r"unknown argument\(s\) \['offload'\]"),
         (DDPFullyShardedStrategy, {"move_params_to_cpu": True}, "unknown argument"),
@@ -95,7 +104,10 @@ def test_fully_sharded_defaults_follow_the_api_page() -> None:
     assert (s.move_grads_to_cpu, s.fp32_reduce_scatter, s.compute_dtype) == (False, None, None)
     assert (s.bucket_cap_mb, s.min_num_params, s.state_dict_to_cpu) == (25, 100_000_000, True)
     assert DDPFullyShardedStrategy(cpu_offload=True).move_grads_to_cpu is True
-    assert DDPFullyShardedStrategy(cpu_offload=True, move_grads_to_cpu=False).move_grads_to_cpu is False
+    assert (
+        DDPFullyShardedStrategy(cpu_offload=True, move_grads_to_cpu=False).move_grads_to_cpu
+        is False
+    )
 
 
 @pytest.mark.parametrize("strategy", [DDPFullyShardedStrategy(), "ddp_fully_sharded"])
@@ -132,7 +144,9 @@ def test_optimizer_without_sharded_params_names_the_fix() -> None:
     good = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     bad = torch.optim.SGD(module_params.parameters(), lr=0.1)
     check_optimizers_use_sharded_params([good], wrapped, USE_TRAINER_MODEL)
-    with pytest.raises(ValueError, match=r"optimizer 1 \(SGD\).*self\.trainer\.model\.parameters\(\)"):
+    with pytest.raises(
+        ValueError, match=r"optimizer 1 \(SGD\).*self\.trainer\.model\.parameters\(\)"
+    ):
         check_optimizers_use_sharded_params([good, bad], wrapped, USE_TRAINER_MODEL)
 
 

@@ -7,7 +7,6 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from torch import nn
 from torch.optim import Optimizer
 
 __all__ = [
@@ -40,7 +39,7 @@ def check_extra_kwargs(
         >>> check_extra_kwargs({"bukcet_mb": 10}, wrapper, "MyStrategy", excluded=["module"])
         Traceback (most recent call last):
         ...
-        TypeError: MyStrategy got unknown argument(s) ['bukcet_mb']; accepted: ..., bucket_mb, ...
+        TypeError: MyStrategy got unknown argument(s) ['bukcet_mb']; accepted: broadcast, ...
     """
     params = inspect.signature(target).parameters
     accepted = sorted(
@@ -61,7 +60,7 @@ def unwrap_optimizer(optimizer: Any) -> Optimizer:
 
     Examples:
         >>> import torch
-        >>> sgd = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+        >>> sgd = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
         >>> unwrap_optimizer(sgd) is sgd
         True
     """
@@ -77,7 +76,7 @@ def retarget_schedulers(schedulers: Iterable[Any], old: Optimizer, new: Optimize
 
     Examples:
         >>> import torch
-        >>> params = list(nn.Linear(2, 2).parameters())
+        >>> params = list(torch.nn.Linear(2, 2).parameters())
         >>> old, new = torch.optim.SGD(params, lr=1.0), torch.optim.SGD(params, lr=1.0)
         >>> sched = torch.optim.lr_scheduler.StepLR(old, step_size=1)
         >>> retarget_schedulers([sched], old, new), sched.optimizer is new
@@ -109,9 +108,10 @@ def constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
 
     Examples:
         >>> import torch
-        >>> adamw = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=0.5)
+        >>> adamw = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=0.5)
         >>> defaults = constructor_defaults(adamw)
-        >>> defaults["lr"], "decoupled_weight_decay" in adamw.defaults, "decoupled_weight_decay" in defaults
+        >>> key = "decoupled_weight_decay"
+        >>> defaults["lr"], key in adamw.defaults, key in defaults
         (0.5, True, False)
     """
     params = inspect.signature(type(optimizer).__init__).parameters

@@ -34,7 +34,7 @@ def normalize_layer_classes(
         >>> normalize_layer_classes([nn.Linear(2, 2)])
         Traceback (most recent call last):
         ...
-        TypeError: activation_checkpointing takes nn.Module subclasses (e.g. MyBlock), got Linear(...)
+        TypeError: activation_checkpointing takes nn.Module subclasses (e.g. MyBlock), got ...
     """
     if layers is None:
         return ()

@@ -75,7 +75,8 @@ class ShardedMixedPrecision(MixedPrecision):
         if precision == "16-mixed":
             if device != "cuda":
                 raise ValueError(
-                    "precision='16-mixed' with sharding needs CUDA; use precision='bf16-mixed' on CPU"
+                    "precision='16-mixed' with sharding needs CUDA;"
+                    " use precision='bf16-mixed' on CPU"
                 )
             if scaler is None:
                 from fairscale.optim.grad_scaler import ShardedGradScaler
@@ -112,10 +113,14 @@ def to_sharded_precision(plugin: Precision) -> ShardedPrecision | ShardedMixedPr
         return plugin
     if isinstance(plugin, MixedPrecision):
         # A user-made plain torch GradScaler would not agree on inf across ranks: replace it.
-        return ShardedMixedPrecision(plugin.precision, plugin.device)
+        precision: Literal["16-mixed", "bf16-mixed"] = (
+            "16-mixed" if plugin.precision == "16-mixed" else "bf16-mixed"
+        )
+        return ShardedMixedPrecision(precision, plugin.device)
     if type(plugin) is Precision:
         return ShardedPrecision()
     raise ValueError(
-        f"{type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r}) is not supported"
-        " by the FairScale strategies; use precision='32-true', 'bf16-mixed' or '16-mixed' (CUDA)"
+        f"{type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r})"
+        " is not supported by the FairScale strategies;"
+        " use precision='32-true', 'bf16-mixed' or '16-mixed' (CUDA)"
     )

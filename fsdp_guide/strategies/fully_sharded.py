@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning_fabric.strategies import _StrategyRegistry
+from lightning_fabric.strategies.registry import _StrategyRegistry
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 from fsdp_guide.strategies._common import check_extra_kwargs, unwrap_optimizer
@@ -123,8 +123,10 @@ class DDPFullyShardedStrategy(DDPStrategy):
             kwargs,
             FullyShardedDataParallel.__init__,
             type(self).__name__,
-            excluded=("self", "module", "mixed_precision", "move_params_to_cpu", "compute_device")
-            + tuple(_OWN_FSDP_ARGS),
+            excluded=(
+                *("self", "module", "mixed_precision", "move_params_to_cpu", "compute_device"),
+                *_OWN_FSDP_ARGS,
+            ),
         )
         if min_num_params < 0:
             raise ValueError(f"min_num_params must be >= 0, got {min_num_params}")

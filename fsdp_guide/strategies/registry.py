@@ -35,8 +35,9 @@ def register_fairscale_strategies(registry: Any = None) -> list[str]:
     Examples:
         >>> from lightning_fabric.strategies import _StrategyRegistry
         >>> registry = _StrategyRegistry()
-        >>> register_fairscale_strategies(registry)
-        ['ddp_sharded', 'ddp_sharded_spawn', 'ddp_sharded_fork', 'ddp_sharded_notebook', 'ddp_fully_sharded']
+        >>> register_fairscale_strategies(registry)  # doctest: +NORMALIZE_WHITESPACE
+        ['ddp_sharded', 'ddp_sharded_spawn', 'ddp_sharded_fork', 'ddp_sharded_notebook',
+         'ddp_fully_sharded']
         >>> registry.get("ddp_sharded_notebook")._start_method
         'fork'
     """

@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning_fabric.strategies import _StrategyRegistry
+from lightning_fabric.strategies.registry import _StrategyRegistry
 from lightning_fabric.utilities.imports import _IS_INTERACTIVE
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from pytorch_lightning.utilities import rank_zero_info
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 from fsdp_guide.strategies._common import (
@@ -74,7 +74,7 @@ def keep_bucket_views_on_zero_grad(optimizer: Optimizer, sharded_ddp: Any) -> No
                 else:
                     param.grad.zero_()
 
-    optimizer.zero_grad = zero_grad  # type: ignore[method-assign,assignment]
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
 class DDPShardedStrategy(DDPStrategy):
