@@ -134,11 +134,13 @@ def test_activation_checkpointing_by_layer_class() -> None:
 
 
 def test_checkpoint_round_trip_resumes_like_an_uninterrupted_run(tmp_path: Path) -> None:
-    ckpt = tmp_path / "epoch0.ckpt"
+    ckpt = tmp_path / "step3.ckpt"
 
     class SaveAt(pl.Callback):
-        def on_train_epoch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            if trainer.current_epoch == 0:
+        # Saved from the last batch of epoch 0: Lightning then resumes at epoch 1's first
+        # batch (a checkpoint saved in on_train_epoch_end would replay data differently).
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 3:
                 trainer.save_checkpoint(ckpt)
 
     options: dict[str, Any] = {"limit_train_batches": 3}
