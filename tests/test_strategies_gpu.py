@@ -175,3 +175,18 @@ def test_seed_example_boring_model_fp16() -> None:
 
     trainer = train(DDPFullyShardedStrategy(), Boring(), precision="16-mixed", max_steps=2)
     assert trainer.global_step == 2
+
+
+def test_sharded_strategy_fp16_uses_the_sharded_grad_scaler() -> None:
+    from fairscale.optim.grad_scaler import ShardedGradScaler
+
+    from fsdp_guide.strategies import DDPShardedStrategy
+
+    module = FSDPTransformer(use_own_params=True)
+    trainer = train(DDPShardedStrategy(), module, precision="16-mixed", gradient_clip_val=1.0)
+    assert isinstance(trainer.precision_plugin.scaler, ShardedGradScaler)  # type: ignore[attr-defined]
+    assert type(trainer.optimizers[0]).__name__ == "OSS"
+    assert all(math.isfinite(x) for x in module.losses)
+    fp32 = FSDPTransformer(use_own_params=True)
+    train(DDPShardedStrategy(), fp32)
+    assert_close(fp32.losses, reference_losses(), rtol=1e-4)

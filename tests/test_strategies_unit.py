@@ -167,3 +167,15 @@ def test_activation_checkpointing_wraps_the_given_layer_classes(layers: object, 
     model(x).sum().backward()
     for p, want in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, want)
+
+
+def test_popen_switches_to_fork_in_an_interactive_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsdp_guide.strategies.sharded as sharded_module
+
+    monkeypatch.setattr(sharded_module, "_IS_INTERACTIVE", True)
+    trainer = pl.Trainer(strategy="ddp_sharded", accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy._start_method == "fork"  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(sharded_module, "_IS_INTERACTIVE", False)
+    trainer = pl.Trainer(strategy="ddp_sharded", accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy._start_method == "popen"  # type: ignore[attr-defined]
