@@ -103,10 +103,6 @@ def test_optimizer_built_before_wrapping_is_refused(one_rank_world: None) -> Non
     check_optimizers_use_sharded_params([fresh], wrapped, USE_TRAINER_MODEL)
     with pytest.raises(ValueError, match=r"self\.trainer\.model\.parameters\(\)"):
         check_optimizers_use_sharded_params([stale], wrapped, USE_TRAINER_MODEL)
-    # After flattening, the module's own parameters() is what the seed warns about.
-    assert list(model.parameters()) == [] or not any(
-        id(p) in {id(q) for q in wrapped.parameters()} for p in stale.param_groups[0]["params"]
-    )
 
 
 @pytest.mark.parametrize(
