@@ -2,9 +2,9 @@
 
 With OSS each rank only holds the reduced gradients of its own shard, so
 ``torch.nn.utils.clip_grad_norm_`` on one rank would see a partial norm. These plugins
-compute the norm across ranks with :meth:`fairscale.optim.OSS.clip_grad_norm` (or
+compute the norm across ranks with ``OSS.clip_grad_norm`` (or
 FairScale FSDP's ``clip_grad_norm_``) and, for fp16 on CUDA, unscale gradients with
-FairScale's :class:`~fairscale.optim.grad_scaler.ShardedGradScaler`, which agrees on
+FairScale's ``ShardedGradScaler``, which agrees on
 ``inf`` across ranks.
 """
 

@@ -21,7 +21,7 @@ STRATEGY_NAMES = (
 
 
 def register_fairscale_strategies(registry: Any = None) -> list[str]:
-    """Register the FairScale strategies under :data:`STRATEGY_NAMES`.
+    """Register the FairScale strategies under ``STRATEGY_NAMES``.
 
     Args:
         registry: A Lightning ``_StrategyRegistry``; Lightning's global one by default.

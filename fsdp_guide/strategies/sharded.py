@@ -3,9 +3,9 @@
 Each rank keeps the full model but only its shard of the optimizer state (ZeRO stage 1) and,
 through ShardedDataParallel, only the reduced gradients of its shard (stage 2). During
 ``fit`` the strategy rebuilds every optimizer returned by ``configure_optimizers`` as
-:class:`fairscale.optim.OSS` around the same optimizer class, hyper-parameters and param
+FairScale's ``OSS`` around the same optimizer class, hyper-parameters and param
 groups, points the LR schedulers at it, then wraps the module in
-:class:`fairscale.nn.data_parallel.ShardedDataParallel`. ``validate``, ``test`` and
+FairScale's ``ShardedDataParallel``. ``validate``, ``test`` and
 ``predict`` run the plain module, as with Lightning's DDP.
 """
 
@@ -96,7 +96,7 @@ class DDPShardedStrategy(DDPStrategy):
         start_method: How ranks start: ``"popen"`` re-runs the script (the default, like
             Lightning's ``"ddp"``), ``"spawn"``, or ``"fork"`` (notebooks). In an
             interactive session ``"popen"`` cannot work and ``"fork"`` is used instead.
-        **kwargs: Passed to :class:`~fairscale.nn.data_parallel.ShardedDataParallel`
+        **kwargs: Passed to FairScale's ``ShardedDataParallel``
             (``broadcast_buffers``, ``reduce_buffer_size``, ``reduce_fp16``, ...).
 
     Raises:
