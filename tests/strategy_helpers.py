@@ -88,6 +88,7 @@ class RecorderMixin:
         self.record["optimizer_state_bytes"] = [local_optimizer_state_bytes(trainer.optimizers[0])]
         self.record["optimizer_type"] = [type(trainer.optimizers[0]).__name__]
         self.record["model_type"] = [type(trainer.strategy.model).__name__]
+        self.record["uses_buckets"] = [getattr(trainer.strategy.model, "_use_buckets", None)]
         self.write_record()
 
     def write_record(self) -> None:

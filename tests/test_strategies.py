@@ -42,14 +42,26 @@ def assert_losses_close(a: list[float], b: list[float], rtol: float) -> None:
         assert math.isclose(x, y, rel_tol=rtol), f"step {step}: {x} != {y}"
 
 
-@pytest.mark.parametrize("module_cls", [RecordingBoringModel, RecordingTransformer])
-def test_sharded_matches_plain_ddp_per_step(tmp_path: Path, module_cls: Any) -> None:
-    fit(sharded(), module_cls(tmp_path / "sharded"), max_steps=5)
+@pytest.mark.parametrize(
+    ("module_cls", "sharded_ddp_kwargs", "buckets"),
+    [
+        (RecordingBoringModel, {}, True),
+        (RecordingTransformer, {}, True),
+        # Extra arguments reach ShardedDataParallel: no buckets, one reduce per gradient.
+        (RecordingTransformer, {"reduce_buffer_size": 0}, False),
+    ],
+)
+def test_sharded_matches_plain_ddp_per_step(
+    tmp_path: Path, module_cls: Any, sharded_ddp_kwargs: dict[str, Any], buckets: bool
+) -> None:
+    strategy = DDPShardedStrategy(start_method="fork", **sharded_ddp_kwargs)
+    fit(strategy, module_cls(tmp_path / "sharded"), max_steps=5)
     fit(plain_ddp(), module_cls(tmp_path / "ddp"), max_steps=5)
     got, want = read_records(tmp_path / "sharded"), read_records(tmp_path / "ddp")
     for rank in range(2):
         assert got[rank]["optimizer_type"] == ["OSS"]
         assert got[rank]["model_type"] == ["ShardedDataParallel"]
+        assert got[rank]["uses_buckets"] == [buckets]
         assert want[rank]["model_type"] == ["DistributedDataParallel"]
         assert_losses_close(got[rank]["loss"], want[rank]["loss"], rtol=1e-5)
         # The LR scheduler follows the rebuilt optimizer.
