@@ -174,7 +174,19 @@ class DDPFullyShardedStrategy(DDPStrategy):
         super().setup_environment()
 
     def fsdp_config(self) -> dict[str, Any]:
-        """Keyword arguments given to every FairScale ``FullyShardedDataParallel`` wrapper."""
+        """Keyword arguments given to every FairScale ``FullyShardedDataParallel`` wrapper.
+
+        Mixed precision turns on FSDP's ``mixed_precision`` and, unless ``compute_dtype`` was
+        given, computes in fp16 (``"16-mixed"``) or bf16 (``"bf16-mixed"``).
+
+        Examples:
+            >>> from pytorch_lightning.plugins.precision import MixedPrecision
+            >>> strategy = DDPFullyShardedStrategy(parallel_devices=[torch.device("cpu")])
+            >>> strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+            >>> config = strategy.fsdp_config()
+            >>> config["mixed_precision"], config["compute_dtype"], config["bucket_cap_mb"]
+            (True, torch.bfloat16, 25)
+        """
         precision = getattr(self.precision_plugin, "precision", "32-true")
         mixed = precision in ("16-mixed", "bf16-mixed")
         compute_dtype = self.compute_dtype

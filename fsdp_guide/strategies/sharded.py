@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
-def keep_bucket_views_on_zero_grad(optimizer: Optimizer, sharded_ddp: Any) -> None:
+def _keep_bucket_views_on_zero_grad(optimizer: Optimizer, sharded_ddp: Any) -> None:
     """Make ``optimizer.zero_grad()`` zero bucketed gradients in place instead of dropping them.
 
     ShardedDDP packs small gradients into reduce buckets: their ``.grad`` are views of a bucket
@@ -202,7 +202,7 @@ class DDPShardedStrategy(DDPStrategy):
             self.model, sharded_optimizer=list(self.optimizers), **self.sharded_ddp_kwargs
         )
         for optimizer in self.optimizers:
-            keep_bucket_views_on_zero_grad(optimizer, sharded_ddp)
+            _keep_bucket_views_on_zero_grad(optimizer, sharded_ddp)
         self.model = sharded_ddp
 
     @contextmanager
