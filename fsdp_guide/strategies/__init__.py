@@ -1,0 +1,30 @@
+"""Lightning 2.x strategies on FairScale: ``DDPShardedStrategy`` and ``DDPFullyShardedStrategy``.
+
+Importing this package imports Lightning and FairScale (the strategies subclass Lightning's
+``DDPStrategy``), so ``import fsdp_guide`` does not import it. On import it registers the
+strategy names in Lightning's registry (see :mod:`fsdp_guide.strategies.registry`):
+
+- ``"ddp_sharded"``: :class:`DDPShardedStrategy` (OSS + ShardedDDP), ranks re-run the script;
+  in a notebook it starts them with fork.
+- ``"ddp_sharded_notebook"`` / ``"ddp_sharded_fork"``: the same, ranks forked (notebooks).
+- ``"ddp_sharded_spawn"``: the same, ranks spawned.
+- ``"ddp_fully_sharded"``: :class:`DDPFullyShardedStrategy` (FairScale FSDP, CUDA only).
+"""
+
+from __future__ import annotations
+
+from fsdp_guide.strategies._precision import ShardedMixedPrecision, ShardedPrecision
+from fsdp_guide.strategies.fully_sharded import DDPFullyShardedStrategy
+from fsdp_guide.strategies.registry import STRATEGY_NAMES, register_fairscale_strategies
+from fsdp_guide.strategies.sharded import DDPShardedStrategy
+
+__all__ = [
+    "STRATEGY_NAMES",
+    "DDPFullyShardedStrategy",
+    "DDPShardedStrategy",
+    "ShardedMixedPrecision",
+    "ShardedPrecision",
+    "register_fairscale_strategies",
+]
+
+register_fairscale_strategies()

@@ -1,0 +1,126 @@
+"""Precision plugins whose gradient clipping goes through the sharded optimizer or model.
+
+With OSS each rank only holds the reduced gradients of its own shard, so
+``torch.nn.utils.clip_grad_norm_`` on one rank would see a partial norm. These plugins
+compute the norm across ranks with ``OSS.clip_grad_norm`` (or
+FairScale FSDP's ``clip_grad_norm_``) and, for fp16 on CUDA, unscale gradients with
+FairScale's ``ShardedGradScaler``, which agrees on
+``inf`` across ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pytorch_lightning.plugins.precision import MixedPrecision, Precision
+from torch import nn
+from torch.optim import Optimizer
+
+__all__ = ["ShardedMixedPrecision", "ShardedPrecision", "to_sharded_precision"]
+
+
+def _clip_sharded(optimizer: Optimizer, model: nn.Module | None, clip_val: float) -> bool:
+    """Clip through OSS or FairScale FSDP; return False when neither applies."""
+    from fairscale.nn import FullyShardedDataParallel
+    from fairscale.optim import OSS
+
+    inner = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+    if isinstance(inner, OSS):
+        inner.clip_grad_norm(clip_val)
+        return True
+    if isinstance(model, FullyShardedDataParallel):
+        model.clip_grad_norm_(clip_val)
+        return True
+    return False
+
+
+class ShardedPrecision(Precision):
+    """Full precision (``"32-true"``) with clipping by norm done across shards.
+
+    Examples:
+        >>> ShardedPrecision().sharded_model is None
+        True
+    """
+
+    sharded_model: nn.Module | None = None
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clip the global gradient norm, computed across all ranks' shards."""
+        if not _clip_sharded(optimizer, self.sharded_model, float(clip_val)):
+            super().clip_grad_by_norm(optimizer, clip_val)
+
+
+class ShardedMixedPrecision(MixedPrecision):
+    """``torch.autocast`` mixed precision with a shard-aware grad scaler and clipping.
+
+    Args:
+        precision: ``"16-mixed"`` (CUDA only, scaled with ``ShardedGradScaler``) or
+            ``"bf16-mixed"`` (CPU or CUDA, no scaler).
+        device: ``"cuda"`` or ``"cpu"``.
+        scaler: A scaler to use instead of a new ``ShardedGradScaler`` (fp16 only).
+
+    Raises:
+        ValueError: For ``"16-mixed"`` on a device other than CUDA.
+
+    Examples:
+        >>> ShardedMixedPrecision("bf16-mixed", "cpu").scaler is None
+        True
+    """
+
+    sharded_model: nn.Module | None = None
+
+    def __init__(
+        self, precision: Literal["16-mixed", "bf16-mixed"], device: str, scaler: Any = None
+    ) -> None:
+        if precision == "16-mixed":
+            if device != "cuda":
+                raise ValueError(
+                    "precision='16-mixed' with sharding needs CUDA;"
+                    " use precision='bf16-mixed' on CPU"
+                )
+            if scaler is None:
+                from fairscale.optim.grad_scaler import ShardedGradScaler
+
+                scaler = ShardedGradScaler()
+        super().__init__(precision, device, scaler)
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clip the global gradient norm (already unscaled), computed across all shards."""
+        if not _clip_sharded(optimizer, self.sharded_model, float(clip_val)):
+            super().clip_grad_by_norm(optimizer, clip_val)
+
+
+def to_sharded_precision(plugin: Precision) -> ShardedPrecision | ShardedMixedPrecision:
+    """The shard-aware equivalent of a Lightning precision plugin.
+
+    Args:
+        plugin: The plugin Lightning chose for the ``Trainer(precision=...)`` flag.
+
+    Returns:
+        The plugin itself when it is already shard-aware, else a new shard-aware one.
+
+    Raises:
+        ValueError: For precisions the FairScale strategies do not support
+            (``"16-true"``, ``"bf16-true"``, ``"64-true"``, ...).
+
+    Examples:
+        >>> type(to_sharded_precision(Precision())).__name__
+        'ShardedPrecision'
+        >>> to_sharded_precision(MixedPrecision("bf16-mixed", "cpu")).precision
+        'bf16-mixed'
+    """
+    if isinstance(plugin, ShardedPrecision | ShardedMixedPrecision):
+        return plugin
+    if isinstance(plugin, MixedPrecision):
+        # A user-made plain torch GradScaler would not agree on inf across ranks: replace it.
+        precision: Literal["16-mixed", "bf16-mixed"] = (
+            "16-mixed" if plugin.precision == "16-mixed" else "bf16-mixed"
+        )
+        return ShardedMixedPrecision(precision, plugin.device)
+    if type(plugin) is Precision:
+        return ShardedPrecision()
+    raise ValueError(
+        f"{type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r})"
+        " is not supported by the FairScale strategies;"
+        " use precision='32-true', 'bf16-mixed' or '16-mixed' (CUDA)"
+    )

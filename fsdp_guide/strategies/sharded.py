@@ -1,0 +1,262 @@
+"""``DDPShardedStrategy``: Lightning 2.x data parallel training on FairScale OSS + ShardedDDP.
+
+Each rank keeps the full model but only its shard of the optimizer state (ZeRO stage 1) and,
+through ShardedDataParallel, only the reduced gradients of its shard (stage 2). During
+``fit`` the strategy rebuilds every optimizer returned by ``configure_optimizers`` as
+FairScale's ``OSS`` around the same optimizer class, hyper-parameters and param
+groups, points the LR schedulers at it, then wraps the module in
+FairScale's ``ShardedDataParallel``. ``validate``, ``test`` and
+``predict`` run the plain module, as with Lightning's DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.strategies.registry import _StrategyRegistry
+from lightning_fabric.utilities.imports import _IS_INTERACTIVE
+from lightning_fabric.utilities.optimizer import _optimizers_to_device
+from pytorch_lightning.overrides.distributed import _sync_module_states
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities import rank_zero_info
+from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+
+from fsdp_guide.strategies._common import (
+    check_extra_kwargs,
+    constructor_defaults,
+    retarget_schedulers,
+    unwrap_optimizer,
+)
+from fsdp_guide.strategies._precision import to_sharded_precision
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.accelerators import Accelerator
+
+__all__ = ["DDPShardedStrategy"]
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+def _keep_bucket_views_on_zero_grad(optimizer: Optimizer, sharded_ddp: Any) -> None:
+    """Make ``optimizer.zero_grad()`` zero bucketed gradients in place instead of dropping them.
+
+    ShardedDDP packs small gradients into reduce buckets: their ``.grad`` are views of a bucket
+    buffer. torch's default ``zero_grad(set_to_none=True)`` (what Lightning calls) would
+    replace those views with fresh tensors that the bucket never reduces, silently training
+    on local gradients. Bucketed gradients are therefore zeroed in place; the others follow
+    ``set_to_none``.
+    """
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        # ShardedDDP sets these up at its first training forward and on trainability changes.
+        flags = getattr(sharded_ddp, "_should_bucket_grad", [])
+        params = getattr(sharded_ddp, "_trainable_params", [])
+        bucketed = {id(p) for p, flag in zip(params, flags, strict=False) if flag}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if set_to_none and id(param) not in bucketed:
+                    param.grad = None
+                else:
+                    param.grad.zero_()
+
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+class DDPShardedStrategy(DDPStrategy):
+    """Optimizer state and gradient sharding (FairScale OSS + ShardedDDP) for Lightning 2.x.
+
+    Runs on CPU (gloo) and GPUs (NCCL). Precision: ``"32-true"``, ``"bf16-mixed"`` (CPU and
+    CUDA) and ``"16-mixed"`` (CUDA, with FairScale's ``ShardedGradScaler``). Gradient
+    clipping by norm is computed across shards by OSS; gradient accumulation skips the
+    reduction on accumulating steps.
+
+    Args:
+        accelerator: Lightning accelerator (normally chosen by the Trainer).
+        parallel_devices: Devices of this node (normally chosen by the Trainer).
+        cluster_environment: Lightning cluster environment.
+        checkpoint_io: Lightning checkpoint IO plugin.
+        precision_plugin: Lightning precision plugin; replaced by its shard-aware equivalent.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default from the device.
+        timeout: Timeout of the process group's collectives.
+        start_method: How ranks start: ``"popen"`` re-runs the script (the default, like
+            Lightning's ``"ddp"``), ``"spawn"``, or ``"fork"`` (notebooks). In an
+            interactive session ``"popen"`` cannot work and ``"fork"`` is used instead.
+        **kwargs: Passed to FairScale's ``ShardedDataParallel``
+            (``broadcast_buffers``, ``reduce_buffer_size``, ``reduce_fp16``, ...).
+
+    Raises:
+        TypeError: For a keyword argument ShardedDataParallel does not take.
+
+    Examples:
+        >>> strategy = DDPShardedStrategy(reduce_buffer_size=0)
+        >>> strategy.strategy_name, strategy.sharded_ddp_kwargs
+        ('ddp_sharded', {'reduce_buffer_size': 0})
+        >>> DDPShardedStrategy(find_unused_parameters=True)
+        Traceback (most recent call last):
+        ...
+        TypeError: DDPShardedStrategy got unknown argument(s) ['find_unused_parameters']; ...
+    """
+
+    strategy_name = "ddp_sharded"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        **kwargs: Any,
+    ) -> None:
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        check_extra_kwargs(
+            kwargs,
+            ShardedDataParallel.__init__,
+            type(self).__name__,
+            excluded=("self", "module", "sharded_optimizer", "process_group"),
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.sharded_ddp_kwargs: dict[str, Any] = dict(kwargs)
+
+    def _configure_launcher(self) -> None:
+        if self._start_method == "popen" and _IS_INTERACTIVE:
+            # Re-running the script is impossible from a notebook; fork is what works there.
+            rank_zero_info(f"{type(self).__name__}: interactive session, starting ranks with fork")
+            self._start_method = "fork"
+        super()._configure_launcher()
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Move the module to the device; when fitting, shard optimizers and wrap the module."""
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin = to_sharded_precision(self.precision_plugin)
+
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        assert self.model is not None
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+
+        if fitting:
+            # OSS must exist before ShardedDDP, which registers its reduce hooks per shard.
+            self.setup_optimizers(trainer)
+            self._rebuild_optimizers_as_oss()
+            self.configure_ddp()
+        else:
+            _sync_module_states(self.model)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _rebuild_optimizers_as_oss(self) -> None:
+        from fairscale.optim import OSS
+
+        sharded: list[Optimizer] = []
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        for optimizer in self.optimizers:
+            plain = unwrap_optimizer(optimizer)
+            if isinstance(plain, OSS):
+                sharded.append(plain)
+                continue
+            groups = [dict(group) for group in plain.param_groups]
+            oss = OSS(params=groups, optim=type(plain), **constructor_defaults(plain))
+            retarget_schedulers(schedulers, plain, oss)
+            sharded.append(oss)
+        self.optimizers = sharded
+
+    def configure_ddp(self) -> None:
+        """Wrap the LightningModule in ShardedDataParallel around this rank's OSS optimizers."""
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        assert self.model is not None
+        sharded_ddp = ShardedDataParallel(
+            self.model, sharded_optimizer=list(self.optimizers), **self.sharded_ddp_kwargs
+        )
+        for optimizer in self.optimizers:
+            _keep_bucket_views_on_zero_grad(optimizer, sharded_ddp)
+        self.model = sharded_ddp
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulate gradients locally: ShardedDDP skips its reduce calls inside."""
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        if isinstance(self.model, ShardedDataParallel):
+            with self.model.no_sync():
+                yield None
+        else:
+            yield None
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """Gather OSS shards on rank 0 (a collective: every rank calls it); only rank 0 keeps it.
+
+        Only global rank 0 writes checkpoints, so other ranks return an empty dict.
+        """
+        from fairscale.optim import OSS
+
+        plain = unwrap_optimizer(optimizer)
+        if not isinstance(plain, OSS):
+            return super().optimizer_state(optimizer)
+        plain.consolidate_state_dict(recipient_rank=0)
+        state: dict[str, Tensor] = plain.state_dict() if self.is_global_zero else {}
+        return state
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Nothing to prepare: ShardedDDP hooks are installed at its first training forward."""
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Nothing to flush: ShardedDDP flushes its reductions at the end of backward."""
+
+    def teardown(self) -> None:
+        """Unwrap the module, then let Lightning release devices and the process group."""
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        if isinstance(self.model, ShardedDataParallel):
+            self.model = self.lightning_module
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Add ``ddp_sharded`` and its ``_spawn``/``_fork``/``_notebook`` variants."""
+        for name, start_method in (
+            ("ddp_sharded", "popen"),
+            ("ddp_sharded_spawn", "spawn"),
+            ("ddp_sharded_fork", "fork"),
+            ("ddp_sharded_notebook", "fork"),
+        ):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"FairScale OSS + ShardedDDP, ranks started with {start_method!r}",
+                override=True,
+                start_method=start_method,
+            )

@@ -1,0 +1,193 @@
+"""DDPShardedStrategy on 2 CPU gloo ranks against Lightning's plain DDP, plus error cases.
+
+Ranks are forked by Lightning's own launcher (``start_method="fork"``); every module writes
+its per-step losses to ``tmp_path`` (see ``strategy_helpers``), which the test compares.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.strategies import DDPStrategy
+from strategy_helpers import (
+    RecordingBoringModel,
+    RecordingTransformer,
+    fit,
+    read_records,
+)
+
+from fsdp_guide.strategies import (
+    DDPShardedStrategy,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def sharded() -> DDPShardedStrategy:
+    return DDPShardedStrategy(start_method="fork")
+
+
+def plain_ddp() -> DDPStrategy:
+    return DDPStrategy(start_method="fork")
+
+
+def assert_losses_close(a: list[float], b: list[float], rtol: float) -> None:
+    assert len(a) == len(b) > 0
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert math.isclose(x, y, rel_tol=rtol), f"step {step}: {x} != {y}"
+
+
+@pytest.mark.parametrize(
+    ("module_cls", "sharded_ddp_kwargs", "buckets"),
+    [
+        (RecordingBoringModel, {}, True),
+        (RecordingTransformer, {}, True),
+        # Extra arguments reach ShardedDataParallel: no buckets, one reduce per gradient.
+        (RecordingTransformer, {"reduce_buffer_size": 0}, False),
+    ],
+)
+def test_sharded_matches_plain_ddp_per_step(
+    tmp_path: Path, module_cls: Any, sharded_ddp_kwargs: dict[str, Any], buckets: bool
+) -> None:
+    strategy = DDPShardedStrategy(start_method="fork", **sharded_ddp_kwargs)
+    fit(strategy, module_cls(tmp_path / "sharded"), max_steps=5)
+    fit(plain_ddp(), module_cls(tmp_path / "ddp"), max_steps=5)
+    got, want = read_records(tmp_path / "sharded"), read_records(tmp_path / "ddp")
+    for rank in range(2):
+        assert got[rank]["optimizer_type"] == ["OSS"]
+        assert got[rank]["model_type"] == ["ShardedDataParallel"]
+        assert got[rank]["uses_buckets"] == [buckets]
+        assert want[rank]["model_type"] == ["DistributedDataParallel"]
+        assert_losses_close(got[rank]["loss"], want[rank]["loss"], rtol=1e-5)
+        # The LR scheduler follows the rebuilt optimizer.
+        assert got[rank]["lr"] == want[rank]["lr"]
+    # Training moved: the losses are not a constant sequence.
+    assert len(set(got[0]["loss"])) > 1
+
+
+def test_each_rank_holds_only_its_optimizer_shard(tmp_path: Path) -> None:
+    fit(sharded(), RecordingTransformer(tmp_path / "sharded"), max_steps=1)
+    fit(plain_ddp(), RecordingTransformer(tmp_path / "ddp"), max_steps=1)
+    shards = [r["optimizer_state_bytes"][0] for r in read_records(tmp_path / "sharded")]
+    full = [r["optimizer_state_bytes"][0] for r in read_records(tmp_path / "ddp")]
+    assert full[0] == full[1] > 0
+    assert all(0 < shard < full[0] for shard in shards)
+    # AdamW keeps a 4-byte step per parameter tensor on top of exp_avg/exp_avg_sq: the shards
+    # add up to the full state exactly, and are balanced within 40%.
+    assert sum(shards) == full[0]
+    assert max(shards) / min(shards) < 1.4
+
+
+def test_accumulation_skips_reduction_and_clipping_uses_the_global_norm(tmp_path: Path) -> None:
+    clip = 0.05
+    options = {"max_steps": 3, "accumulate_grad_batches": 2, "gradient_clip_val": clip}
+    fit(sharded(), RecordingTransformer(tmp_path / "sharded"), **options)
+    fit(plain_ddp(), RecordingTransformer(tmp_path / "ddp"), **options)
+    got, want = read_records(tmp_path / "sharded"), read_records(tmp_path / "ddp")
+    for rank in range(2):
+        # ShardedDDP accumulates locally on every first micro-batch of a step.
+        assert got[rank]["accumulating"] == [True, False] * 3
+        assert_losses_close(got[rank]["loss"], want[rank]["loss"], rtol=1e-5)
+        # Clipping was active and brought the norm over all shards down to the threshold,
+        # as plain DDP does over the full gradients.
+        assert all(norm > 2 * clip for norm in got[rank]["norm_before"])
+        assert_losses_close(got[rank]["norm_before"], want[rank]["norm_before"], rtol=1e-4)
+        assert_losses_close(got[rank]["norm_after"], [clip] * 3, rtol=1e-3)
+        assert_losses_close(want[rank]["norm_after"], [clip] * 3, rtol=1e-3)
+
+
+def test_bf16_mixed_on_cpu_matches_plain_ddp(tmp_path: Path) -> None:
+    fit(sharded(), RecordingTransformer(tmp_path / "sharded"), max_steps=3, precision="bf16-mixed")
+    fit(plain_ddp(), RecordingTransformer(tmp_path / "ddp"), max_steps=3, precision="bf16-mixed")
+    got, want = read_records(tmp_path / "sharded"), read_records(tmp_path / "ddp")
+    for rank in range(2):
+        assert_losses_close(got[rank]["loss"], want[rank]["loss"], rtol=1e-3)
+
+
+def test_save_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
+    ckpt = tmp_path / "step3.ckpt"
+
+    class SaveAt(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 3:
+                trainer.save_checkpoint(ckpt)  # collective: every rank calls it
+
+    # Epochs of 3 steps: the checkpoint falls on an epoch boundary, where Lightning resumes
+    # with the next epoch's first batch (mid-epoch it would restart the data).
+    options: dict[str, Any] = {"limit_train_batches": 3}
+    fit(sharded(), RecordingBoringModel(tmp_path / "full"), max_steps=6, **options)
+    fit(
+        sharded(),
+        RecordingBoringModel(tmp_path / "first"),
+        max_steps=3,
+        callbacks=[SaveAt()],
+        **options,
+    )
+    saved = torch.load(ckpt, weights_only=False)
+    # Consolidated: one full Adam state (both parameters) written once, by rank 0.
+    assert len(saved["optimizer_states"][0]["state"]) == 2
+    fit(
+        sharded(),
+        RecordingBoringModel(tmp_path / "resumed"),
+        max_steps=6,
+        ckpt_path=str(ckpt),
+        **options,
+    )
+    full, first, resumed = (read_records(tmp_path / d) for d in ("full", "first", "resumed"))
+    for rank in range(2):
+        assert first[rank]["loss"] == full[rank]["loss"][:3]
+        assert_losses_close(resumed[rank]["loss"], full[rank]["loss"][3:], rtol=1e-6)
+        assert resumed[rank]["lr"] == full[rank]["lr"][3:]
+
+
+def test_validate_runs_unwrapped(tmp_path: Path) -> None:
+    class Probe(RecordingBoringModel):
+        def validation_step(self, batch: Any, batch_idx: int) -> Any:
+            self.record["model_type"] = [type(self.trainer.strategy.model).__name__]
+            return super().validation_step(batch, batch_idx)
+
+        def on_validation_end(self) -> None:
+            self.write_record()
+
+    trainer = pl.Trainer(
+        strategy=sharded(),
+        accelerator="cpu",
+        devices=2,
+        limit_val_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.validate(Probe(tmp_path), verbose=False)
+    assert [r["model_type"] for r in read_records(tmp_path)] == [["Probe"], ["Probe"]]
+
+
+def test_popen_launcher_trains_boring_model_from_a_script(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import pytorch_lightning as pl\n"
+        "from pytorch_lightning.demos.boring_classes import BoringModel\n"
+        "from fsdp_guide.strategies import DDPShardedStrategy\n"
+        "trainer = pl.Trainer(strategy=DDPShardedStrategy(), accelerator='cpu', devices=2,\n"
+        "    max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,\n"
+        "    enable_model_summary=False, limit_val_batches=0)\n"
+        "trainer.fit(BoringModel())\n"
+        "print('RANK', trainer.global_rank, 'STEPS', trainer.global_step,\n"
+        "      type(trainer.optimizers[0]).__name__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=150
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "RANK 0 STEPS 2 OSS" in done.stdout
+    assert "RANK 1 STEPS 2 OSS" in done.stdout

@@ -1,0 +1,181 @@
+"""Fast checks of the FairScale strategies that start no process."""
+
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.strategies import _StrategyRegistry
+from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from pytorch_lightning.strategies import StrategyRegistry
+from torch import nn
+
+from fsdp_guide.strategies import (
+    STRATEGY_NAMES,
+    DDPFullyShardedStrategy,
+    DDPShardedStrategy,
+    ShardedMixedPrecision,
+    ShardedPrecision,
+    register_fairscale_strategies,
+)
+from fsdp_guide.strategies._fsdp_helpers import (
+    apply_activation_checkpointing,
+    check_optimizers_use_sharded_params,
+    normalize_layer_classes,
+)
+from fsdp_guide.strategies._precision import to_sharded_precision
+from fsdp_guide.strategies.fully_sharded import USE_TRAINER_MODEL
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "start_method"),
+    [
+        ("ddp_sharded", DDPShardedStrategy, "popen"),
+        ("ddp_sharded_spawn", DDPShardedStrategy, "spawn"),
+        ("ddp_sharded_fork", DDPShardedStrategy, "fork"),
+        ("ddp_sharded_notebook", DDPShardedStrategy, "fork"),
+        ("ddp_fully_sharded", DDPFullyShardedStrategy, "popen"),
+    ],
+)
+def test_registered_in_lightning(name: str, cls: type, start_method: str) -> None:
+    strategy = StrategyRegistry.get(name)
+    assert type(strategy) is cls
+    assert strategy._start_method == start_method
+
+
+def test_fsdp_name_is_left_to_lightning() -> None:
+    assert "fsdp" not in STRATEGY_NAMES
+    assert StrategyRegistry["fsdp"]["strategy"].__name__ == "FSDPStrategy"
+
+
+def test_registration_is_idempotent_and_refuses_foreign_names() -> None:
+    registry = _StrategyRegistry()
+    assert register_fairscale_strategies(registry) == register_fairscale_strategies(registry)
+    foreign = _StrategyRegistry()
+    foreign.register("ddp_sharded", pl.strategies.DDPStrategy)
+    with pytest.raises(ValueError, match="already registered for DDPStrategy"):
+        register_fairscale_strategies(foreign)
+
+
+def test_trainer_accepts_the_string_name() -> None:
+    trainer = pl.Trainer(
+        strategy="ddp_sharded_notebook", accelerator="cpu", devices=2, logger=False
+    )
+    assert isinstance(trainer.strategy, DDPShardedStrategy)
+    assert (
+        trainer.strategy.launcher is not None
+        and trainer.strategy.launcher.is_interactive_compatible
+    )
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "match"),
+    [
+        (
+            DDPShardedStrategy,
+            {"find_unused_parameters": True},
+            r"unknown argument\(s\) \['find_unused",
+        ),
+        (DDPShardedStrategy, {"sharded_optimizer": []}, "unknown argument"),
+        (DDPFullyShardedStrategy, {"offload": True}, r"unknown argument\(s\) \['offload'\]"),
+        (DDPFullyShardedStrategy, {"move_params_to_cpu": True}, "unknown argument"),
+        (DDPFullyShardedStrategy, {"activation_checkpointing": "Block"}, "nn.Module subclasses"),
+        (DDPFullyShardedStrategy, {"activation_checkpointing": [nn.Linear, 3]}, "got 3"),
+    ],
+)
+def test_bad_constructor_arguments(cls: type, kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        cls(**kwargs)
+
+
+def test_negative_min_num_params() -> None:
+    with pytest.raises(ValueError, match="min_num_params must be >= 0"):
+        DDPFullyShardedStrategy(min_num_params=-1)
+
+
+def test_sharded_ddp_kwargs_are_kept() -> None:
+    strategy = DDPShardedStrategy(reduce_buffer_size=0, broadcast_buffers=False)
+    assert strategy.sharded_ddp_kwargs == {"reduce_buffer_size": 0, "broadcast_buffers": False}
+
+
+def test_fully_sharded_defaults_follow_the_api_page() -> None:
+    s = DDPFullyShardedStrategy()
+    assert (s.cpu_offload, s.flatten_parameters, s.reshard_after_forward) == (False, True, True)
+    assert (s.move_grads_to_cpu, s.fp32_reduce_scatter, s.compute_dtype) == (False, None, None)
+    assert (s.bucket_cap_mb, s.min_num_params, s.state_dict_to_cpu) == (25, 100_000_000, True)
+    assert DDPFullyShardedStrategy(cpu_offload=True).move_grads_to_cpu is True
+    assert (
+        DDPFullyShardedStrategy(cpu_offload=True, move_grads_to_cpu=False).move_grads_to_cpu
+        is False
+    )
+
+
+@pytest.mark.parametrize("strategy", [DDPFullyShardedStrategy(), "ddp_fully_sharded"])
+def test_fully_sharded_on_cpu_fails_when_the_trainer_is_created(strategy: object) -> None:
+    with pytest.raises(ValueError, match=r"needs CUDA.*DDPShardedStrategy.*strategy='fsdp'"):
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=2)
+
+
+@pytest.mark.parametrize(
+    ("plugin", "expected"),
+    [
+        (Precision(), ShardedPrecision),
+        (MixedPrecision("bf16-mixed", "cpu"), ShardedMixedPrecision),
+        (ShardedPrecision(), ShardedPrecision),
+    ],
+)
+def test_precision_is_made_shard_aware(plugin: Precision, expected: type) -> None:
+    assert type(to_sharded_precision(plugin)) is expected
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_unsupported_precision_is_refused(precision: str) -> None:
+    with pytest.raises(ValueError, match="use precision='32-true', 'bf16-mixed'"):
+        to_sharded_precision(HalfPrecision(precision))  # type: ignore[arg-type]
+
+
+def test_fp16_needs_cuda() -> None:
+    with pytest.raises(ValueError, match="use precision='bf16-mixed' on CPU"):
+        ShardedMixedPrecision("16-mixed", "cpu")
+
+
+def test_optimizer_without_sharded_params_names_the_fix() -> None:
+    wrapped, module_params = nn.Linear(4, 4), nn.Linear(4, 4)
+    good = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    bad = torch.optim.SGD(module_params.parameters(), lr=0.1)
+    check_optimizers_use_sharded_params([good], wrapped, USE_TRAINER_MODEL)
+    with pytest.raises(
+        ValueError, match=r"optimizer 1 \(SGD\).*self\.trainer\.model\.parameters\(\)"
+    ):
+        check_optimizers_use_sharded_params([good, bad], wrapped, USE_TRAINER_MODEL)
+
+
+@pytest.mark.parametrize(
+    ("layers", "count"), [(nn.Linear, 2), ([nn.Linear, nn.ReLU], 3), ([], 0), (None, 0)]
+)
+def test_activation_checkpointing_wraps_the_given_layer_classes(layers: object, count: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(3, 4, requires_grad=True)
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    assert apply_activation_checkpointing(model, normalize_layer_classes(layers)) == count  # type: ignore[arg-type]
+    wrapped = [m for m in model.modules() if "checkpointed" in str(getattr(m.forward, "func", ""))]
+    assert len(wrapped) == count
+    # Recomputing activations does not change gradients.
+    model(x).sum().backward()
+    for p, want in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, want)
+
+
+def test_popen_switches_to_fork_in_an_interactive_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsdp_guide.strategies.sharded as sharded_module
+
+    monkeypatch.setattr(sharded_module, "_IS_INTERACTIVE", True)
+    trainer = pl.Trainer(strategy="ddp_sharded", accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy._start_method == "fork"  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(sharded_module, "_IS_INTERACTIVE", False)
+    trainer = pl.Trainer(strategy="ddp_sharded", accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy._start_method == "popen"  # type: ignore[attr-defined]
