@@ -158,11 +158,21 @@ def _ddp(model: nn.Module, device: torch.device) -> nn.Module:
     return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
 
 
+def _largest_first(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters sorted largest first, for OSS.
+
+    OSS gives each tensor, in the order it receives them, to the rank with the fewest
+    elements so far. In model order that leaves the demo transformer's shards up to 7% apart
+    at 4 ranks; largest first (what ZeroRedundancyOptimizer does itself) evens them out.
+    """
+    return sorted(model.parameters(), key=lambda p: p.numel(), reverse=True)
+
+
 def _sharded_ddp(model: nn.Module, lr: float, buffer: int) -> Wrapped:
     from fairscale.nn.data_parallel import ShardedDataParallel
     from fairscale.optim import OSS
 
-    optimizer = OSS(model.parameters(), optim=torch.optim.Adam, lr=lr)
+    optimizer = OSS(_largest_first(model), optim=torch.optim.Adam, lr=lr)
     return ShardedDataParallel(model, optimizer, reduce_buffer_size=buffer), optimizer
 
 
@@ -263,5 +273,5 @@ def _oss(model: nn.Module, device: torch.device, lr: float) -> Wrapped:
     from fairscale.optim import OSS
 
     # OSS first: it turns each rank's parameters into views of one flat buffer.
-    optimizer = OSS(model.parameters(), optim=torch.optim.Adam, lr=lr)
+    optimizer = OSS(_largest_first(model), optim=torch.optim.Adam, lr=lr)
     return _ddp(model, device), optimizer
