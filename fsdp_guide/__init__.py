@@ -10,18 +10,30 @@ from typing import Any
 
 from fsdp_guide.errors import LaunchError, LaunchTimeout, RankError
 from fsdp_guide.launch import dist_init, find_free_port, launch
+from fsdp_guide.memory import (
+    ModelState,
+    PeakMemory,
+    estimate_model_state,
+    measure_model_state,
+    peak_memory,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LaunchError",
     "LaunchTimeout",
+    "ModelState",
+    "PeakMemory",
     "RankError",
     "__version__",
     "dist_init",
+    "estimate_model_state",
     "find_free_port",
     "launch",
     "load_ipython_extension",
+    "measure_model_state",
+    "peak_memory",
 ]
 
 
