@@ -65,11 +65,8 @@ def _summary(rows: list[ComparisonRow]) -> list[str]:
         used = f"stage {spec.stage_at_step}" + (", full grads" if spec.full_grads else "")
         if spec.hybrid:
             used += f", N={spec.shard_group_size(mine[0].world_size)}"
-        measured = (
-            f"{min(totals):.3f}"
-            if max(totals) == min(totals)
-            else (f"{min(totals):.3f} to {max(totals):.3f}")
-        )
+        low, high = f"{min(totals):.3f}", f"{max(totals):.3f}"
+        measured = low if low == high else f"{low} to {high}"
         step_ms = sum(row.step_time_s for row in mine) / len(mine) * 1000
         lines.append(
             f"| {name} | {spec.summary} | {spec.zero_stage} | {used} | {measured} "
