@@ -4,9 +4,7 @@
 that a rank holds; :func:`estimate_model_state` gives what the ZeRO formulas predict for
 the same setting; :func:`peak_memory` reads the device's (or process's) peak.
 
-When to measure
----------------
-Call :func:`measure_model_state` **after** ``optimizer.step()`` and **before**
+**When to measure.** Call :func:`measure_model_state` **after** ``optimizer.step()`` and **before**
 ``optimizer.zero_grad()``. At that point every kind of state exists at once: the
 gradients of the step are still there and the optimizer state has been created. What is
 counted there, per strategy:
