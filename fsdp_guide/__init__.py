@@ -10,6 +10,13 @@ from typing import Any
 
 from fsdp_guide.errors import LaunchError, LaunchTimeout, RankError
 from fsdp_guide.launch import dist_init, find_free_port, launch
+from fsdp_guide.memory import (
+    ModelState,
+    PeakMemory,
+    estimate_model_state,
+    measure_model_state,
+    peak_memory,
+)
 from fsdp_guide.wrap import (
     LayerPolicy,
     SizePolicy,
@@ -26,6 +33,8 @@ __all__ = [
     "LaunchError",
     "LaunchTimeout",
     "LayerPolicy",
+    "ModelState",
+    "PeakMemory",
     "RankError",
     "SizePolicy",
     "__version__",
@@ -34,9 +43,12 @@ __all__ = [
     "checkpoint_layers",
     "describe",
     "dist_init",
+    "estimate_model_state",
     "find_free_port",
     "launch",
     "load_ipython_extension",
+    "measure_model_state",
+    "peak_memory",
     "shard",
 ]
 

@@ -14,7 +14,12 @@ from collections.abc import Sequence
 __all__ = ["CommandError", "build_parser", "main"]
 
 # Modules that define ``add_parser(subparsers)``; each sets ``func`` on its sub-parser.
-_COMMANDS: tuple[str, ...] = ("fsdp_guide.cli_demo", "fsdp_guide.cli_consolidate")
+_COMMANDS: tuple[str, ...] = (
+    "fsdp_guide.cli_compare",
+    "fsdp_guide.cli_estimate",
+    "fsdp_guide.cli_consolidate",
+    "fsdp_guide.cli_demo",
+)
 
 
 class CommandError(Exception):
