@@ -14,7 +14,11 @@ from collections.abc import Sequence
 __all__ = ["CommandError", "build_parser", "main"]
 
 # Modules that define ``add_parser(subparsers)``; each sets ``func`` on its sub-parser.
-_COMMANDS: tuple[str, ...] = ("fsdp_guide.cli_demo",)
+_COMMANDS: tuple[str, ...] = (
+    "fsdp_guide.cli_demo",
+    "fsdp_guide.cli_compare",
+    "fsdp_guide.cli_estimate",
+)
 
 
 class CommandError(Exception):

@@ -1,0 +1,70 @@
+"""The report helpers: tables, JSON rows and the bar chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_guide.compare_strategies import STRATEGIES, check_strategies
+from fsdp_guide.memory import ModelState
+from fsdp_guide.memory_report import ComparisonRow, comparison_table, plot_comparison, rows_as_json
+
+
+def _rows() -> list[ComparisonRow]:
+    spec = STRATEGIES["fsdp"]
+    predicted = spec.predict(1000, 2)
+    return [
+        ComparisonRow("fsdp", rank, 2, 3, ModelState(2000, 2000, 4004 + rank), predicted, 0.01)
+        for rank in range(2)
+    ]
+
+
+@pytest.mark.parametrize("style", ["markdown", "plain"])
+def test_table_has_a_line_per_row(style: str) -> None:
+    text = comparison_table(_rows(), style=style)  # type: ignore[arg-type]
+    lines = text.splitlines()
+    assert len(lines) == (4 if style == "markdown" else 3)
+    assert "1.000" in lines[-2] and "1.001" in lines[-1]  # 8004 and 8005 over 8000
+    assert lines[-1].split()[:3] == (
+        ["|", "fsdp", "|"] if style == "markdown" else ["fsdp", "3", "1"]
+    )
+
+
+def test_table_rejects_unknown_style() -> None:
+    with pytest.raises(ValueError, match="unknown style 'html'"):
+        comparison_table(_rows(), style="html")  # type: ignore[arg-type]
+
+
+def test_rows_as_json_round_trip() -> None:
+    data = json.loads(json.dumps(rows_as_json(_rows())))
+    assert data[1]["measured"]["total"] == 2000 + 2000 + 4005
+    assert data[1]["predicted"]["total"] == 8000
+    assert data[1]["ratio"] == pytest.approx(8005 / 8000)
+
+
+def test_plot_writes_png(tmp_path: Path) -> None:
+    path = tmp_path / "memory.png"
+    fig = plot_comparison(_rows(), path)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    ax = fig.axes[0]
+    assert len(ax.patches) == 4 * len(_rows())  # 3 stacked measured bars + 1 predicted each
+
+
+@pytest.mark.parametrize(
+    ("name", "world_size", "grads"),
+    [
+        ("sharded_ddp", 4, 1000),
+        ("sharded_ddp_buckets", 4, 4000),
+        ("fsdp_grad_op", 4, 1000),
+        ("fsdp_hybrid", 4, 2000),
+    ],
+)
+def test_predictions_model_the_state_at_the_step(name: str, world_size: int, grads: int) -> None:
+    assert STRATEGIES[name].predict(1000, world_size).grads == grads
+
+
+def test_check_strategies_refuses_empty() -> None:
+    with pytest.raises(ValueError, match="no strategy given"):
+        check_strategies([])
