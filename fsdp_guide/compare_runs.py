@@ -83,6 +83,9 @@ def train_and_measure(
     Returns:
         This rank's :class:`RankMeasurement`.
     """
+    # A forked rank cannot use an OpenMP pool its parent already started (libgomp is not
+    # fork-safe: the first parallel op hangs); one intra-op thread per rank never enters it.
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model(model_name)
     num_params = count_params(model)
