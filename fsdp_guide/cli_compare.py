@@ -31,7 +31,7 @@ def add_parser(sub: Any) -> None:
         "--strategies",
         default=None,
         help="comma-separated names (default: ddp,oss,sharded_ddp,fsdp,fsdp2, plus "
-        "fairscale_fsdp with CUDA); all: " + ", ".join(_strategy_names()),
+        "fairscale_fsdp with a GPU per rank); all: " + ", ".join(_strategy_names()),
     )
     p.add_argument("--plot", default=None, metavar="PATH", help="write a bar chart (PNG)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
@@ -44,12 +44,14 @@ def _strategy_names() -> list[str]:
     return list(STRATEGIES)
 
 
-def _default_strategies() -> list[str]:
+def _default_strategies(world_size: int) -> list[str]:
     import torch
 
     from fsdp_guide.compare_strategies import DEFAULT_STRATEGIES
 
-    extra = ["fairscale_fsdp"] if torch.cuda.is_available() else []
+    # FairScale FSDP runs on NCCL with one GPU per rank: add it where there are enough GPUs.
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    extra = ["fairscale_fsdp"] if gpus >= world_size else []
     return [*DEFAULT_STRATEGIES, *extra]
 
 
@@ -69,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
         names = (
             [n.strip() for n in args.strategies.split(",") if n.strip()]
             if args.strategies is not None
-            else _default_strategies()
+            else _default_strategies(world_size)
         )
         # run_comparison checks everything else before it starts a process.
         rows = run_comparison(names, world_size, args.model, steps, batch_size)

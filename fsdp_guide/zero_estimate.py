@@ -222,6 +222,9 @@ def parse_size(text: str) -> int:
 def format_bytes(num_bytes: float, unit: str = "auto") -> str:
     """Bytes as text in decimal units (``"3.45 MB"``), or in a fixed ``unit``.
 
+    Raises:
+        ValueError: For a unit other than B, KB, MB, GB, TB or ``"auto"``.
+
     Examples:
         >>> format_bytes(3_451_904), format_bytes(1.875e9, "GB"), format_bytes(512)
         ('3.45 MB', '1.88 GB', '512 B')
