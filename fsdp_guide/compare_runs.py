@@ -117,7 +117,9 @@ def train_and_measure(
             times.append(time.perf_counter() - start)
             if step == steps - 1:
                 state = measure_model_state(module, optimizer)
-            optimizer.zero_grad()
+            # Through the module: ShardedDDP's own zero_grad clears its gradient buckets in
+            # place, where optimizer.zero_grad() would set .grad to None and detach them.
+            module.zero_grad()
     timed = times[1:] or times
     return RankMeasurement(
         strategy=strategy,

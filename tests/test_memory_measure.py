@@ -58,7 +58,7 @@ def _train_and_measure_all(rank: int, world_size: int) -> dict[tuple[str, str], 
             losses.append(loss.item())
             if step == 1:
                 state = measure_model_state(module, optimizer)
-            optimizer.zero_grad()
+            module.zero_grad()  # ShardedDDP clears its buckets in place this way
         local = getattr(optimizer, "optim", optimizer)  # OSS / ZeRO: this rank's optimizer
         owned = [p.numel() for group in local.param_groups for p in group["params"]]
         out[(model_kind, name)] = {"state": state, "owned": owned, "losses": losses}
