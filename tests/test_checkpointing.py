@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 from torch import Tensor, nn
 
 from fsdp_guide.models import Block, TinyTransformer, TransformerConfig, loss_fn, synthetic_batch
-from fsdp_guide.wrap import checkpoint_layers, checkpointed_names, describe, is_checkpointed
+from fsdp_guide.wrap import (
+    checkpoint_layers,
+    checkpointed_names,
+    describe,
+    is_checkpointed,
+    saved_activation_bytes,
+)
 
 CONFIG = TransformerConfig(vocab_size=64, dim=32, n_heads=2, n_layers=3, seq_len=16)
 BATCH = 4
@@ -19,22 +23,6 @@ IMPLEMENTATIONS = ["torch", "fairscale"]
 def build() -> TinyTransformer:
     torch.manual_seed(0)
     return TinyTransformer(CONFIG)
-
-
-def saved_activation_bytes(model: nn.Module, run: Callable[[], Tensor]) -> tuple[int, Tensor]:
-    """Bytes of the distinct tensors autograd saves for backward, parameters excluded."""
-    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: Tensor) -> Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameter_storages:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = run()
-    return sum(saved.values()), out
 
 
 def gradients(model: nn.Module) -> dict[str, Tensor]:
