@@ -193,7 +193,8 @@ def plot_comparison(rows: Sequence[ComparisonRow], path: str | Path | None = Non
     ax.set_title(
         f"Model state per rank, measured vs predicted (world size {', '.join(map(str, world))})"
     )
-    ax.legend(fontsize=8)
+    # Beside the axes, not inside: full-height bars would hide under it.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=120)
