@@ -177,15 +177,60 @@ def checkpoint_layers(
     return model
 
 
-def saved_activation_bytes(model: nn.Module, forward: Callable[[], Tensor]) -> tuple[int, Tensor]:
-    """Bytes of the tensors autograd keeps for backward while ``forward()`` runs.
+# Tensors FSDP hangs on a parameter for its shards and gathered copies: FairScale's FSDP and
+# PyTorch FSDP1 (on the FlatParameter). Their storages hold parameters, never activations.
+_PARAMETER_BUFFERS = (
+    "_full_param_padded",
+    "_full_prec_full_param_padded",
+    "_local_shard",
+    "_mp_shard",
+    "_fp32_shard",
+    "_fp16_shard",
+    "_cpu_grad",
+)
 
-    Counted with :func:`torch.autograd.graph.saved_tensors_hooks`, each storage once, the
-    parameters of ``model`` left out: what activation checkpointing is about. A
-    checkpointed layer keeps only its inputs.
+
+def _live_storage(tensor: Tensor | None) -> torch.UntypedStorage | None:
+    """The storage holding ``tensor``'s data on this rank, or None if it holds no bytes now."""
+    if tensor is None:
+        return None
+    to_local = getattr(tensor, "to_local", None)  # a DTensor (FSDP2): its local shard
+    if callable(to_local):
+        tensor = to_local()
+    storage = tensor.untyped_storage()
+    return storage if storage.nbytes() else None
+
+
+def _parameter_storages(model: nn.Module) -> set[int]:
+    """Addresses of the live storages that hold ``model``'s parameters, sharded or gathered."""
+    tensors: list[Tensor | None] = []
+    for module in model.modules():
+        # FSDP1 with use_orig_params keeps its FlatParameter out of parameters().
+        flat = getattr(module, "_flat_param", None)
+        candidates = [*module.parameters(recurse=False), *([flat] if flat is not None else [])]
+        for parameter in candidates:
+            tensors.append(parameter)
+            tensors.extend(getattr(parameter, name, None) for name in _PARAMETER_BUFFERS)
+    storages = (_live_storage(tensor) for tensor in tensors)
+    return {storage.data_ptr() for storage in storages if storage is not None}
+
+
+def saved_activation_bytes(model: nn.Module, forward: Callable[[], Tensor]) -> tuple[int, Tensor]:
+    """Bytes of the activations autograd keeps for backward once ``forward()`` has run.
+
+    The tensors saved for backward are collected with
+    :func:`torch.autograd.graph.saved_tensors_hooks`; when ``forward()`` returns, each
+    storage still allocated is counted once, except those holding ``model``'s parameters:
+    what activation checkpointing is about. A checkpointed layer keeps only its inputs.
+
+    Under FSDP (FairScale, PyTorch FSDP1 or FSDP2) autograd also saves the gathered,
+    unsharded weights each layer needs in backward. They are parameters, not activations:
+    FSDP frees them after the unit's forward (and gathers them again in backward), and those
+    it keeps (the root unit, ``reshard_after_forward=False``, ``SHARD_GRAD_OP``) are left out
+    as parameters. So each rank gets the same count as one process running its local batch.
 
     Args:
-        model: The model whose parameters are not counted.
+        model: The model (plain or sharded) whose parameters are not counted.
         forward: Runs the forward pass (and the loss) and returns its output.
 
     Returns:
@@ -198,15 +243,19 @@ def saved_activation_bytes(model: nn.Module, forward: Callable[[], Tensor]) -> t
         >>> nbytes  # x (16x4), the ReLU output (16x8): float32
         768
     """
-    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
+    saved: list[Tensor] = []  # held until counted, so no counted storage is freed and reused
 
     def pack(tensor: Tensor) -> Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameter_storages:
-            saved[storage.data_ptr()] = storage.nbytes()
+        saved.append(tensor)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = forward()
-    return sum(saved.values()), out
+    # Parameters are looked up after forward: FSDP swaps in gathered ones while they are used.
+    parameter_storages = _parameter_storages(model)
+    held: dict[int, int] = {}
+    for tensor in saved:
+        storage = _live_storage(tensor)
+        if storage is not None and storage.data_ptr() not in parameter_storages:
+            held[storage.data_ptr()] = storage.nbytes()
+    return sum(held.values()), out
