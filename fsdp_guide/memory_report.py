@@ -27,7 +27,8 @@ class ComparisonRow:
         zero_stage: The strategy's textbook ZeRO stage.
         measured: Model state measured after ``optimizer.step()``.
         predicted: The ZeRO formula for the state held at that point.
-        step_time_s: Mean seconds per training step (not comparable across machines).
+        step_time_s: Mean seconds per training step (not comparable across machines);
+            ``None`` when the run was not timed.
         loss: Loss of the last step on this rank.
         peak_bytes: Peak memory reading of the rank.
         peak_kind: What ``peak_bytes`` is: ``"cuda_peak_allocated"`` or ``"cpu_peak_rss"``.
@@ -39,7 +40,7 @@ class ComparisonRow:
     zero_stage: int
     measured: ModelState
     predicted: ModelState
-    step_time_s: float = 0.0
+    step_time_s: float | None = None
     loss: float = float("nan")
     peak_bytes: int = 0
     peak_kind: str = "cpu_peak_rss"
@@ -61,6 +62,9 @@ def comparison_table(
 ) -> str:
     """A table with one line per strategy and rank: measured bytes, predicted, ratio, time.
 
+    The ``ms/step`` column is shown only when at least one row was timed (a row without a
+    time shows ``-`` in it).
+
     Args:
         rows: The rows to show.
         style: ``"markdown"`` (pipes, for notebooks and reports) or ``"plain"`` (aligned
@@ -79,9 +83,19 @@ def comparison_table(
         >>> print(comparison_table([row], style="plain"))
         strategy  ZeRO  rank  params   grads    optimizer  measured  predicted  ratio  ms/step
         oss       1     1     4.00 KB  4.00 KB  4.01 KB    12.01 KB  12.00 KB   1.001  12.0
+
+        Rows that were not timed get no ``ms/step`` column:
+
+        >>> untimed = ComparisonRow("ddp", 0, 1, 0, ModelState(4, 4, 8), ModelState(4, 4, 8))
+        >>> print(comparison_table([untimed], style="plain"))
+        strategy  ZeRO  rank  params  grads  optimizer  measured  predicted  ratio
+        ddp       0     0     4 B     4 B    8 B        16 B      16 B       1.000
     """
     header = ["strategy", "ZeRO", "rank", "params", "grads", "optimizer", "measured"]
-    header += ["predicted", "ratio", "ms/step"]
+    header += ["predicted", "ratio"]
+    timed = any(row.step_time_s is not None for row in rows)
+    if timed:
+        header.append("ms/step")
     body = [
         [
             row.strategy,
@@ -93,8 +107,8 @@ def comparison_table(
             format_bytes(row.measured.total),
             format_bytes(row.predicted.total),
             f"{row.ratio:.3f}",
-            f"{row.step_time_s * 1000:.1f}",
         ]
+        + ([_milliseconds(row.step_time_s)] if timed else [])
         for row in rows
     ]
     if style == "markdown":
@@ -107,6 +121,10 @@ def comparison_table(
         "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *body]
     ]
     return "\n".join(line.rstrip() for line in text_lines)
+
+
+def _milliseconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
 
 def rows_as_json(rows: Sequence[ComparisonRow]) -> list[dict[str, Any]]:

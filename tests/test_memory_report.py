@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,26 @@ def test_table_has_a_line_per_row(style: str) -> None:
     assert lines[-1].split()[:3] == (
         ["|", "fsdp", "|"] if style == "markdown" else ["fsdp", "3", "1"]
     )
+
+
+@pytest.mark.parametrize("style", ["markdown", "plain"])
+@pytest.mark.parametrize(
+    ("times", "cells"),
+    [((None, None), None), ((0.01, None), ["10.0", "-"]), ((0.0125, 0.002), ["12.5", "2.0"])],
+)
+def test_time_column_only_when_timed(
+    style: str, times: tuple[float | None, float | None], cells: list[str] | None
+) -> None:
+    rows = [replace(row, step_time_s=t) for row, t in zip(_rows(), times, strict=True)]
+    lines = comparison_table(rows, style=style).splitlines()  # type: ignore[arg-type]
+    header = lines[0].replace("|", " ").split()
+    last_cells = [line.replace("|", " ").split()[-1] for line in lines[-2:]]
+    if cells is None:
+        assert "ms/step" not in header
+        assert last_cells == ["1.000", "1.001"]
+    else:
+        assert header[-1] == "ms/step"
+        assert last_cells == cells
 
 
 def test_table_rejects_unknown_style() -> None:
