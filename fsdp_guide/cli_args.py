@@ -6,6 +6,7 @@ input always gives one line on stderr and exit status 2.
 
 from __future__ import annotations
 
+import math
 import re
 
 __all__ = ["parse_count", "parse_int"]
@@ -50,9 +51,14 @@ def parse_count(option: str, text: str) -> float:
         Traceback (most recent call last):
         ...
         ValueError: --params must be a positive count such as 7e9, 7B or 350M, got '-3'
+        >>> parse_count("--params", "1e400")
+        Traceback (most recent call last):
+        ...
+        ValueError: --params must be a positive count such as 7e9, 7B or 350M, got '1e400'
     """
     match = _COUNT_RE.match(text)
     value = float(match.group(1)) * _COUNT_SCALE[match.group(2).lower()] if match else 0.0
-    if value <= 0:
+    # Below 1 is no count of parameters; an overflow (1e400) reads as infinity.
+    if not 1 <= value < math.inf:
         raise ValueError(f"{option} must be a positive count such as 7e9, 7B or 350M, got {text!r}")
     return value

@@ -64,7 +64,7 @@ def estimate_table(
     per = bytes_per_param(precision, optimizer)  # type: ignore[arg-type]
     header = ["stage", "shards", "strategies", "params", "grads", "optimizer", "total"]
     if gpu_memory is not None:
-        header.append(f"fits {gpu_memory / 1e9:g} GB")
+        header.append(f"fits {gpu_memory / 1e9:.4g} GB")
     rows = [header]
     for stage, shards, names in _STAGES:
         state = estimate_model_state(num_params, world_size, stage, precision, optimizer)  # type: ignore[arg-type]

@@ -157,8 +157,8 @@ def estimate_model_state(
         The predicted :class:`~fsdp_guide.model_state.ModelState`.
 
     Raises:
-        ValueError: For ``num_params <= 0``, ``world_size < 1``, or a bad stage,
-            precision or optimizer.
+        ValueError: For ``num_params`` not positive and finite, ``world_size < 1``, or a
+            bad stage, precision or optimizer.
 
     Examples:
         The ZeRO paper's Figure 1: 7.5B parameters, 64 GPUs, mixed-precision Adam (K = 12):
@@ -170,8 +170,12 @@ def estimate_model_state(
         >>> estimate_model_state(1000, 4, "sharded_ddp", full_grads=True).grads
         4000
     """
-    if isinstance(num_params, bool) or not isinstance(num_params, int | float) or num_params <= 0:
-        raise ValueError(f"num_params must be a positive number, got {num_params!r}")
+    if (
+        isinstance(num_params, bool)
+        or not isinstance(num_params, int | float)
+        or not 0 < num_params < math.inf  # also refuses NaN
+    ):
+        raise ValueError(f"num_params must be a positive finite number, got {num_params!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     level = resolve_stage(stage)
@@ -215,8 +219,10 @@ def parse_size(text: str) -> int:
     if binary and not prefix:
         raise ValueError(f"cannot read {text!r} as a size; write e.g. 80GB, 40GiB or 8e10")
     base = 1024 if binary else 1000
-    multiplier = float(base) ** _POWERS[prefix.lower()]
-    return round(float(number) * multiplier)
+    value = float(number) * float(base) ** _POWERS[prefix.lower()]
+    if not math.isfinite(value):  # e.g. 1e400
+        raise ValueError(f"size {text!r} is too large; write e.g. 80GB, 40GiB or 8e10")
+    return round(value)
 
 
 def format_bytes(num_bytes: float, unit: str = "auto") -> str:

@@ -134,6 +134,8 @@ def test_full_grads_and_rounding_up() -> None:
     [
         ({"num_params": 0}, "num_params must be a positive"),
         ({"num_params": -5}, "num_params must be a positive"),
+        ({"num_params": float("nan")}, "num_params must be a positive finite"),
+        ({"num_params": float("inf")}, "num_params must be a positive finite"),
         ({"world_size": 0}, "world_size must be an int >= 1"),
         ({"world_size": 2.5}, "world_size must be an int >= 1"),
         ({"stage": 4}, "unknown stage 4"),
@@ -176,6 +178,11 @@ def test_parse_size(text: str, value: int) -> None:
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ValueError, match=r"as a size; write e\.g\. 80GB"):
         parse_size(text)
+
+
+def test_parse_size_rejects_overflow() -> None:
+    with pytest.raises(ValueError, match=r"size '1e400' is too large; write e\.g\. 80GB"):
+        parse_size("1e400")
 
 
 def test_format_bytes_units() -> None:
