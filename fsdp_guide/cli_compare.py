@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 __all__ = ["add_parser"]
@@ -55,6 +56,27 @@ def _default_strategies(world_size: int) -> list[str]:
     return [*DEFAULT_STRATEGIES, *extra]
 
 
+def _check_output_path(option: str, path: str) -> None:
+    """Refuse, before anything runs, an output file that could not be written afterwards."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{option} {path!r} is a directory; give a file name, e.g. out.json")
+    if not target.parent.is_dir():
+        raise ValueError(
+            f"{option} {path!r}: directory {str(target.parent)!r} does not exist; create it "
+            "or choose another path"
+        )
+    if option == "--plot" and target.suffix:
+        from matplotlib.figure import Figure
+
+        formats = Figure().canvas.get_supported_filetypes()
+        if target.suffix[1:].lower() not in formats:
+            raise ValueError(
+                f"--plot {path!r}: matplotlib cannot write {target.suffix!r} files; "
+                "use a .png (or .svg, .pdf) name"
+            )
+
+
 def _run(args: argparse.Namespace) -> int:
     from fsdp_guide.cli import CommandError
     from fsdp_guide.cli_args import parse_int
@@ -73,6 +95,9 @@ def _run(args: argparse.Namespace) -> int:
             if args.strategies is not None
             else _default_strategies(world_size)
         )
+        for option, path in (("--json", args.json), ("--plot", args.plot)):
+            if path:
+                _check_output_path(option, path)
         # run_comparison checks everything else before it starts a process.
         rows = run_comparison(names, world_size, args.model, steps, batch_size)
     except ValueError as exc:

@@ -93,6 +93,10 @@ def test_compare_mlp_on_one_rank(capsys: pytest.CaptureFixture[str]) -> None:
         (["--world-size", "x"], "--world-size must be an integer >= 1"),
         (["--steps", "0"], "--steps must be an integer >= 1"),
         (["--world-size", "3"], "batch size 8 does not divide by world_size=3"),
+        (["--json", "/nonexistent-dir/out.json"], "directory '/nonexistent-dir' does not exist"),
+        (["--plot", "/nonexistent-dir/out.png"], "directory '/nonexistent-dir' does not exist"),
+        (["--json", "."], "is a directory; give a file name"),
+        (["--plot", "chart.xyz"], "matplotlib cannot write '.xyz' files"),
     ],
 )
 def test_bad_input_one_line_exit_2(
