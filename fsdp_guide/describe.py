@@ -176,7 +176,8 @@ def module_tree(module: nn.Module, policy: WrapPolicy | None = None) -> list[Mod
         nested = 0  # parameter elements taken by units below this one
         for child_name, child in inner.named_children():
             nested += visit(child, f"{name}.{child_name}" if name else child_name, depth + 1)
-        if engine is None and id(wrapped) in planned:
+        # A policy selects the module inside a checkpoint wrapper, as FSDP's walk does.
+        if engine is None and (id(wrapped) in planned or id(inner) in planned):
             engine = "planned"
         if engine in ("fsdp2", "planned"):
             total = sum(p.numel() for p in inner.parameters())

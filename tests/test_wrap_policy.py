@@ -22,6 +22,7 @@ from fsdp_guide.wrap import (
     SizePolicy,
     WrapPolicy,
     any_of,
+    checkpoint_layers,
     describe,
     selected_modules,
     sharded_units,
@@ -180,6 +181,19 @@ def test_describe_layer_and_union_policies() -> None:
         "0: Block  [unit: planned, 12,704 params]",
         "1: Block  [unit: planned, 12,704 params]",
     ]
+
+
+@pytest.mark.parametrize("implementation", ["torch", "fairscale"])
+@pytest.mark.parametrize("policy_name", ["size-2k", "layer", "union"])
+def test_planned_units_of_a_checkpointed_model(implementation: str, policy_name: str) -> None:
+    """Checkpoint wrappers are looked through: the plan is the plain model's."""
+    policy = POLICIES[policy_name]
+    checkpointed = checkpoint_layers(build(), Block, implementation=implementation)  # type: ignore[arg-type]
+    assert sharded_units(checkpointed, policy=policy) == sharded_units(build(), policy=policy)
+    text = describe(checkpointed, policy=policy)
+    assert text.count("[checkpointed]") == CONFIG.n_layers
+    if policy_name == "layer":
+        assert text.count("Block  [unit: planned, 12,704 params]  [checkpointed]") == 2
 
 
 def test_describe_unwrapped_model_has_no_units_and_respects_depth() -> None:
