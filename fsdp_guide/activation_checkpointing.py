@@ -9,6 +9,7 @@ everything recomputed at once) and is known to break training loops, so it is re
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Literal
 
@@ -243,19 +244,25 @@ def saved_activation_bytes(model: nn.Module, forward: Callable[[], Tensor]) -> t
         >>> nbytes  # x (16x4), the ReLU output (16x8): float32
         768
     """
-    saved: list[Tensor] = []  # held until counted, so no counted storage is freed and reused
+    # Weak references: a tensor autograd no longer holds when forward returns (its graph
+    # was dropped) is not counted, and a freed storage cannot be confused with a new one.
+    saved: list[weakref.ref[Tensor]] = []
 
     def pack(tensor: Tensor) -> Tensor:
-        saved.append(tensor)
-        return tensor
+        # Autograd keeps what pack returns until backward. The tensor itself would be a
+        # reference cycle when it is its own node's output (ReLU, exp...), alive even after
+        # its graph is dropped; a detached view of the same storage is not.
+        held = tensor.detach()
+        saved.append(weakref.ref(held))
+        return held
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = forward()
     # Parameters are looked up after forward: FSDP swaps in gathered ones while they are used.
     parameter_storages = _parameter_storages(model)
     held: dict[int, int] = {}
-    for tensor in saved:
-        storage = _live_storage(tensor)
+    for reference in saved:
+        storage = _live_storage(reference())
         if storage is not None and storage.data_ptr() not in parameter_storages:
             held[storage.data_ptr()] = storage.nbytes()
     return sum(held.values()), out

@@ -148,3 +148,19 @@ def test_checkpointing_twice_does_not_nest_wrappers() -> None:
     assert checkpointed_names(model, Block) == [f"blocks.{i}" for i in range(CONFIG.n_layers)]
     inner = model.get_submodule("blocks.0._checkpoint_wrapped_module")
     assert isinstance(inner, Block)
+
+
+def test_saved_tensors_of_a_dropped_graph_are_not_counted() -> None:
+    """Only what autograd still keeps when forward returns counts, not what it freed."""
+    model = nn.Linear(4, 4)
+    x = torch.randn(16, 4)
+
+    def forward_with_a_dropped_branch() -> Tensor:
+        out = model(x).relu()
+        model(x * 3).exp().sum()  # its graph (x * 3 and the exp output) is freed at once
+        return out.sum()
+
+    plain, _ = saved_activation_bytes(model, lambda: model(x).relu().sum())
+    with_branch, _ = saved_activation_bytes(model, forward_with_a_dropped_branch)
+    assert plain == 2 * 16 * 4 * 4  # the Linear's input and the ReLU's output
+    assert with_branch == plain
