@@ -106,3 +106,38 @@ def test_single_process_counts_differ_with_checkpointing() -> None:
         nbytes, _ = saved_activation_bytes(model, lambda: loss_fn(model, local_batch(0, 0)))  # noqa: B023
         counts.append(nbytes)
     assert counts[1] < counts[0]
+
+
+def measure_fairscale(rank: int, world_size: int) -> dict[bool, dict[str, list[int]]]:
+    """FairScale FSDP (CUDA) against this rank's own unsharded count on the same GPU."""
+    results: dict[bool, dict[str, list[int]]] = {}
+    for checkpointed in (False, True):
+        batch = tuple(t.cuda() for t in local_batch(rank, 0))
+        plain = build(checkpointed).cuda()
+        expected, _ = saved_activation_bytes(plain, lambda: loss_fn(plain, batch))  # noqa: B023
+        model = shard(build(checkpointed).cuda(), engine="fairscale", policy=LayerPolicy(Block))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        counts = []
+        for step in range(STEPS):
+            step_batch = tuple(t.cuda() for t in local_batch(rank, step))
+            nbytes, loss = saved_activation_bytes(model, lambda: loss_fn(model, step_batch))  # noqa: B023
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            counts.append(nbytes)
+        results[checkpointed] = {"expected": [expected] * STEPS, "sharded": counts}
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_fairscale_fsdp_saved_bytes_equal_single_process() -> None:
+    world_size = min(WORLD_SIZE, torch.cuda.device_count())
+    results = launch(
+        measure_fairscale, world_size, backend="nccl", start_method="fork", timeout=600
+    )
+    for rank, result in enumerate(results):
+        for checkpointed, counts in result.items():
+            assert counts["sharded"] == counts["expected"], f"rank {rank}, {checkpointed=}"
+        assert result[True]["expected"][0] < result[False]["expected"][0]
