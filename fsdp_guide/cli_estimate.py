@@ -23,7 +23,8 @@ def add_parser(sub: Any) -> None:
         description="Bytes of parameters, gradients and optimizer state per rank that the "
         "ZeRO formulas predict, for stages 0-3 (activations and buffers not included).",
     )
-    p.add_argument("--params", required=True, help="parameter count, e.g. 7e9, 7B, 350M")
+    # Checked in _run, not by argparse (required=True), so a missing count is one line too.
+    p.add_argument("--params", default=None, help="parameter count, e.g. 7e9, 7B, 350M (required)")
     p.add_argument("--world-size", default="8", help="number of GPUs (ranks); default 8")
     p.add_argument("--precision", default="mixed", help="mixed (default) or fp32")
     p.add_argument("--optimizer", default="adam", help="adam (default), sgd or sgd_momentum")
@@ -89,6 +90,8 @@ def _run(args: argparse.Namespace) -> int:
     from fsdp_guide.zero_estimate import parse_size
 
     try:
+        if args.params is None:
+            raise ValueError("--params is required: the model's parameter count, e.g. --params 7e9")
         num_params = parse_count("--params", args.params)
         world_size = parse_int("--world-size", args.world_size, 1)
         gpu_memory = None if args.gpu_memory is None else parse_size(args.gpu_memory)

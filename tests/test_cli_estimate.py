@@ -51,6 +51,7 @@ def test_fp32_sgd(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        ([], "--params is required"),
         (["--params", "0"], "--params must be a positive count"),
         (["--params=-7e9"], "--params must be a positive count"),
         (["--params", "lots"], "--params must be a positive count"),
