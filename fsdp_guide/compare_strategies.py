@@ -117,7 +117,8 @@ def check_strategies(names: list[str] | tuple[str, ...]) -> list[StrategySpec]:
     """Look up strategy names, refusing unknown ones and CUDA-only ones without CUDA.
 
     Raises:
-        ValueError: For an empty list, an unknown name, or a CUDA-only strategy on CPU.
+        ValueError: For an empty list, an unknown or repeated name, or a CUDA-only strategy
+            on CPU.
 
     Examples:
         >>> [s.zero_stage for s in check_strategies(["ddp", "fsdp"])]
@@ -133,6 +134,8 @@ def check_strategies(names: list[str] | tuple[str, ...]) -> list[StrategySpec]:
     for name in names:
         if name not in STRATEGIES:
             raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+        if names.count(name) > 1:
+            raise ValueError(f"strategy {name!r} is given twice; name each strategy once")
         spec = STRATEGIES[name]
         if spec.needs_cuda and not torch.cuda.is_available():
             raise ValueError(f"strategy {name!r} needs CUDA, and no GPU is visible; leave it out")

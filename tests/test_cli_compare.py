@@ -88,6 +88,7 @@ def test_compare_mlp_on_one_rank(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["--strategies", "ddp,zero9"], "unknown strategy 'zero9'"),
         (["--strategies", ","], "no strategy given"),
+        (["--strategies", "ddp,fsdp,ddp"], "strategy 'ddp' is given twice"),
         (["--model", "resnet"], "unknown model 'resnet'"),
         (["--world-size", "0"], "--world-size must be an integer >= 1"),
         (["--world-size", "x"], "--world-size must be an integer >= 1"),
