@@ -67,7 +67,8 @@ def _summary(rows: list[ComparisonRow]) -> list[str]:
             used += f", N={spec.shard_group_size(mine[0].world_size)}"
         low, high = f"{min(totals):.3f}", f"{max(totals):.3f}"
         measured = low if low == high else f"{low} to {high}"
-        step_ms = sum(row.step_time_s for row in mine) / len(mine) * 1000
+        times = [row.step_time_s for row in mine if row.step_time_s is not None]  # all timed
+        step_ms = sum(times) / len(times) * 1000
         lines.append(
             f"| {name} | {spec.summary} | {spec.zero_stage} | {used} | {measured} "
             f"| {mine[0].predicted.total / 1e6:.3f} | {min(ratios):.4f} | {max(ratios):.4f} "
