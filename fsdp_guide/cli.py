@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 __all__ = ["CommandError", "build_parser", "main"]
 
@@ -26,6 +27,16 @@ class CommandError(Exception):
     """Bad input found while running a command: printed as one line, exit status 2."""
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (no usage block), status 2.
+
+    Sub-command parsers inherit the class, so every command reports alike.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the parser with every registered command.
 
@@ -34,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         >>> parser.prog
         'fsdp_guide'
     """
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="fsdp_guide",
         description="Sharded training in PyTorch, measured: compare strategies, estimate memory.",
     )
@@ -54,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed its one-line usage error
+    except SystemExit as exc:  # the parser already printed its one-line error
         return int(exc.code or 0)
     try:
         status: int = args.func(args)

@@ -31,5 +31,17 @@ def test_bad_input_exits_2_with_one_line(
 ) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) in (1, 2)  # argparse prints usage + one error line; ours prints one line
-    assert "error:" in err[-1] and "Traceback" not in "".join(err)
+    assert len(err) == 1, err
+    assert "error:" in err[0] and "Traceback" not in err[0]
+
+
+@pytest.mark.parametrize(
+    "argv", [["demo", "--bogus"], ["bogus"], ["estimate", "--params"], ["compare", "--steps"]]
+)
+def test_argparse_errors_are_one_line_too(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("fsdp_guide") and "error:" in err[0] and "--help" in err[0]
