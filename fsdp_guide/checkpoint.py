@@ -11,12 +11,14 @@ Two formats:
 
 ``kind="full"``: one file, written by rank 0
     The state an unsharded model would have, with the optimizer state keyed by parameter
-    name. ZeRO and OSS optimizer states are consolidated to rank 0 (every rank sends its
-    shard, only rank 0 holds the whole) and written once. FSDP parameters on GPU are
-    gathered into rank 0's host memory only; on CPU every rank holds the gathered copy
-    while saving (FSDP1 cannot "offload" tensors that are already on the CPU). The file
-    loads at any world size and into any strategy (FairScale FSDP's optimizer state only
-    into FairScale FSDP). Every rank reads the whole file when loading.
+    name. ZeRO and OSS optimizer states are consolidated on every rank (after ``save``,
+    an OSS optimizer's ``state_dict()`` works on any rank) and written once, by rank 0.
+    PyTorch FSDP parameters and optimizer states are gathered into rank 0 only, one unit
+    or tensor at a time, on CPU as on GPU (into host memory), so no other rank ever holds
+    the whole state; FairScale FSDP gathers its parameters on every rank's GPU and rank 0
+    copies them to the host. The file loads at any world size and into any strategy
+    (FairScale FSDP's optimizer state only into FairScale FSDP). Every rank reads the whole
+    file when loading.
 
 ``kind="sharded"``: a directory (FSDP1, FSDP2, FairScale FSDP)
     ``rank<N>.pt`` per rank and ``extra.pt`` in a ``data-<id>`` sub-directory, and
