@@ -47,6 +47,7 @@ from torch import nn
 from fsdp_guide.checkpoint_dir import (
     agree,
     attempt,
+    check_sharded_target,
     rank_and_world,
     read_all_shards,
     read_sharded,
@@ -87,6 +88,8 @@ def _check_save_arguments(path: Path, kind: str, strategy: Strategy, extra: Any)
         raise ValueError(f"{path} is a directory; a full checkpoint is a file: choose a file path")
     if kind == "sharded" and path.exists() and not path.is_dir():
         raise ValueError(f"{path} is a file; a sharded checkpoint is a directory: choose another")
+    if kind == "sharded":
+        check_sharded_target(path)
     if extra is not None:
         check_weights_only_value(extra)
 
@@ -114,7 +117,8 @@ def save(
 
     Raises:
         ValueError: Unknown ``kind``, ``"sharded"`` for a strategy that does not shard
-            parameters, or a path of the wrong type. Raised before anything is written.
+            parameters, a path of the wrong type, or a sharded target directory holding
+            other files. Raised before anything is written.
         TypeError: ``extra`` holds something a ``weights_only`` load would refuse.
         CheckpointError: Writing failed on some rank; the previous checkpoint is intact.
 
@@ -204,6 +208,12 @@ def load(
         raise CheckpointError(
             f"{path} holds a FairScale FSDP optimizer state, which loads only into FairScale "
             "FSDP; pass optimizer=None to load the model only"
+        )
+    if payload["optimizer_keys"] != "position" and strategy == "fairscale_fsdp" and optimizer:
+        raise CheckpointError(
+            f"{path} holds a {payload['strategy']!r} optimizer state, keyed by parameter name; "
+            "FairScale FSDP loads only its own optimizer state: pass optimizer=None to load "
+            "the model only"
         )
     set_full_state(model, optimizer, strategy, payload["model"], payload["optimizer"])
     saved_extra: dict[str, Any] | None = payload["extra"]
