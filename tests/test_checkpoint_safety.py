@@ -261,11 +261,15 @@ def test_sharded_checkpoint_into_a_different_model_lists_the_differences(tmp_pat
         )
 
 
-def test_truncated_full_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keep", [1, 10, 0.5, -200], ids=["1B", "10B", "half", "all-200B"])
+def test_truncated_full_file(tmp_path: Path, keep: float) -> None:
+    # A file cut to a byte or two is not a zip archive: it must read as truncated, not as
+    # a refused pickle payload.
     path = tmp_path / "ckpt.pt"
     model, optimizer = trained_module()
     checkpoint.save(path, model, optimizer)
-    path.write_bytes(path.read_bytes()[:-200])
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep) if isinstance(keep, float) else keep])
     with pytest.raises(CheckpointError, match=r"ckpt.pt is truncated or corrupt"):
         checkpoint.load(path, *build("module", seed=1))
 
