@@ -17,8 +17,10 @@ Two formats:
     or tensor at a time, on CPU as on GPU (into host memory), so no other rank ever holds
     the whole state; FairScale FSDP gathers its parameters on every rank's GPU and rank 0
     copies them to the host. The file loads at any world size and into any strategy
-    (FairScale FSDP's optimizer state only into FairScale FSDP). Every rank reads the whole
-    file when loading.
+    (FairScale FSDP's optimizer state only into FairScale FSDP, and only its own). Every
+    rank reads the whole file when loading: a host with many ranks needs that much memory
+    per rank for a moment (DCP's ``broadcast_from_rank0`` would spare it, but with torch
+    2.13 on CPU/gloo it did not complete in our trials), or save ``kind="sharded"``.
 
 ``kind="sharded"``: a directory (FSDP1, FSDP2, FairScale FSDP)
     ``rank<N>.pt`` per rank and ``extra.pt`` in a ``data-<id>`` sub-directory, and
