@@ -11,12 +11,16 @@ Two formats:
 
 ``kind="full"``: one file, written by rank 0
     The state an unsharded model would have, with the optimizer state keyed by parameter
-    name. ZeRO and OSS optimizer states are consolidated to rank 0 (every rank sends its
-    shard, only rank 0 holds the whole) and written once. FSDP parameters on GPU are
-    gathered into rank 0's host memory only; on CPU every rank holds the gathered copy
-    while saving (FSDP1 cannot "offload" tensors that are already on the CPU). The file
-    loads at any world size and into any strategy (FairScale FSDP's optimizer state only
-    into FairScale FSDP). Every rank reads the whole file when loading.
+    name. ZeRO and OSS optimizer states are consolidated on every rank (after ``save``,
+    an OSS optimizer's ``state_dict()`` works on any rank) and written once, by rank 0.
+    PyTorch FSDP parameters and optimizer states are gathered into rank 0 only, one unit
+    or tensor at a time, on CPU as on GPU (into host memory), so no other rank ever holds
+    the whole state; FairScale FSDP gathers its parameters on every rank's GPU and rank 0
+    copies them to the host. The file loads at any world size and into any strategy
+    (FairScale FSDP's optimizer state only into FairScale FSDP, and only its own). Every
+    rank reads the whole file when loading: a host with many ranks needs that much memory
+    per rank for a moment (DCP's ``broadcast_from_rank0`` would spare it, but with torch
+    2.13 on CPU/gloo it did not complete in our trials), or save ``kind="sharded"``.
 
 ``kind="sharded"``: a directory (FSDP1, FSDP2, FairScale FSDP)
     ``rank<N>.pt`` per rank and ``extra.pt`` in a ``data-<id>`` sub-directory, and
@@ -45,6 +49,7 @@ from torch import nn
 from fsdp_guide.checkpoint_dir import (
     agree,
     attempt,
+    check_sharded_target,
     rank_and_world,
     read_all_shards,
     read_sharded,
@@ -85,6 +90,8 @@ def _check_save_arguments(path: Path, kind: str, strategy: Strategy, extra: Any)
         raise ValueError(f"{path} is a directory; a full checkpoint is a file: choose a file path")
     if kind == "sharded" and path.exists() and not path.is_dir():
         raise ValueError(f"{path} is a file; a sharded checkpoint is a directory: choose another")
+    if kind == "sharded":
+        check_sharded_target(path)
     if extra is not None:
         check_weights_only_value(extra)
 
@@ -112,7 +119,8 @@ def save(
 
     Raises:
         ValueError: Unknown ``kind``, ``"sharded"`` for a strategy that does not shard
-            parameters, or a path of the wrong type. Raised before anything is written.
+            parameters, a path of the wrong type, or a sharded target directory holding
+            other files. Raised before anything is written.
         TypeError: ``extra`` holds something a ``weights_only`` load would refuse.
         CheckpointError: Writing failed on some rank; the previous checkpoint is intact.
 
@@ -202,6 +210,12 @@ def load(
         raise CheckpointError(
             f"{path} holds a FairScale FSDP optimizer state, which loads only into FairScale "
             "FSDP; pass optimizer=None to load the model only"
+        )
+    if payload["optimizer_keys"] != "position" and strategy == "fairscale_fsdp" and optimizer:
+        raise CheckpointError(
+            f"{path} holds a {payload['strategy']!r} optimizer state, keyed by parameter name; "
+            "FairScale FSDP loads only its own optimizer state: pass optimizer=None to load "
+            "the model only"
         )
     set_full_state(model, optimizer, strategy, payload["model"], payload["optimizer"])
     saved_extra: dict[str, Any] | None = payload["extra"]

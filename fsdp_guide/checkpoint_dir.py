@@ -20,6 +20,7 @@ the same :class:`~fsdp_guide.checkpoint_io.CheckpointError`.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -38,9 +39,17 @@ from fsdp_guide.checkpoint_io import (
     sha256_of,
 )
 
-__all__ = ["agree", "attempt", "rank_and_world", "read_sharded", "write_sharded"]
+__all__ = [
+    "agree",
+    "attempt",
+    "check_sharded_target",
+    "rank_and_world",
+    "read_sharded",
+    "write_sharded",
+]
 
 FORMAT_VERSION = 1
+DATA_DIR = re.compile(r"data-[0-9a-f]{12}")  # the sub-directories write_sharded names
 _T = TypeVar("_T")
 
 
@@ -95,6 +104,46 @@ def agree(error: str | None) -> None:
         raise CheckpointError(message if world == 1 else f"rank {rank}: {message}")
 
 
+def check_sharded_target(path: Path) -> None:
+    """Raise unless ``path`` is new, empty, or holds only what :func:`write_sharded` writes.
+
+    A save replaces the older ``data-*`` directories it finds, so a directory holding
+    anything else (a dataset, other runs) is refused rather than mixed with checkpoints.
+
+    Raises:
+        ValueError: Naming the foreign entries; choose a new or empty directory.
+
+    Examples:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> check_sharded_target(root / "new")
+        >>> (root / "data-raw").mkdir()
+        >>> check_sharded_target(root)
+        Traceback (most recent call last):
+        ...
+        ValueError: ... holds data-raw, which a sharded checkpoint does not write: ...
+    """
+    if not path.is_dir():
+        return
+    foreign = sorted(
+        entry.name
+        for entry in path.iterdir()
+        if not (
+            (entry.is_dir() and DATA_DIR.fullmatch(entry.name))
+            or entry.name == INDEX_NAME
+            or entry.name.startswith(f".{INDEX_NAME}.tmp-")
+        )
+    )
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (
+            f", ... ({len(foreign)} in all)" if len(foreign) > 5 else ""
+        )
+        raise ValueError(
+            f"{path} holds {shown}, which a sharded checkpoint does not write: choose a new or "
+            "empty directory (a save removes older checkpoint data in it)"
+        )
+
+
 def write_sharded(
     path: Path, shard: dict[str, Any], strategy: str, extra: dict[str, Any] | None
 ) -> None:
@@ -117,7 +166,7 @@ def write_sharded(
         ({'model': {'w': tensor([1., 1.])}, 'optimizer': None, 'layout': {}}, {'step': 3})
     """
     rank, world = rank_and_world()
-    names = [f"data-{uuid.uuid4().hex[:12]}"]
+    names = [f"data-{uuid.uuid4().hex[:12]}"]  # matches DATA_DIR
     if world > 1:  # every rank must write into the same new sub-directory
         dist.broadcast_object_list(names, src=0)
     data = path / names[0]
@@ -159,7 +208,9 @@ def write_sharded(
         )
     if rank == 0:
         # After a success the older data directories go; after a failure, this attempt's.
-        for data_dir in path.glob("data-*"):
+        for data_dir in path.iterdir():
+            if not DATA_DIR.fullmatch(data_dir.name) or not data_dir.is_dir():
+                continue  # never anything this module did not name
             if (data_dir.name == names[0]) == (error is not None):
                 shutil.rmtree(data_dir, ignore_errors=True)
     outcome = [error]  # rank 0 knows every rank's write error and its own index error

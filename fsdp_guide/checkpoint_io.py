@@ -8,7 +8,8 @@ structure of tensors and plain values into bytes on disk and back, safely.
   the old file untouched and, at worst, a ``.*.tmp-*`` file that nothing reads.
 * A read uses ``torch.load(weights_only=True)``: only tensors, numbers, strings and
   containers come back, and a file carrying any other pickled object is refused before that
-  object is built, so no code in it runs.
+  object is built, so no code in it runs. A file that is not a zip archive (what
+  ``torch.save`` writes) is refused as truncated or corrupt before anything parses it.
 * A sharded checkpoint is a directory whose ``index.json`` is written last and names every
   file with its size and SHA-256, so a missing or truncated shard is found before loading.
 """
@@ -21,6 +22,7 @@ import json
 import os
 import pickle
 import uuid
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -159,6 +161,13 @@ def read_torch(path: Path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} does not exist; check the path")
+    if not zipfile.is_zipfile(path):
+        # torch.save writes a zip archive; anything else (a file cut short, bytes of another
+        # format) is refused before torch.load would parse it as a legacy pickle.
+        raise CheckpointError(
+            f"{path} is truncated or corrupt: it is not the zip archive torch.save writes "
+            "(nothing in it was unpickled); restore it or use an earlier checkpoint"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

@@ -30,6 +30,7 @@ __all__ = [
     "SHARDED_STRATEGIES",
     "Strategy",
     "detect_strategy",
+    "gather_full_fsdp_state",
     "get_full_state",
     "set_full_state",
     "unwrap",
@@ -122,15 +123,108 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def gather_full_fsdp_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gather a PyTorch FSDP model's full state into rank 0 only (collective).
+
+    Every rank takes part in the gathers, one tensor (FSDP2) or one FSDP unit (FSDP1) at a
+    time, but only rank 0 keeps what is gathered: the other ranks get empty dicts, so no
+    rank but 0 ever holds the whole state. On GPU the copy goes to rank 0's host memory.
+    FSDP1 on CPU gathers without "offloading" (``offload_to_cpu=False``): offloading a
+    flat parameter that is already on the CPU frees the storage FSDP1 is reading.
+
+    Returns:
+        ``(model_state, optimizer_state)``: whole tensors keyed by parameter name on rank 0,
+        ``({}, {})`` on the other ranks (and an empty optimizer state without optimizer).
+
+    Raises:
+        ValueError: ``strategy`` is not ``"fsdp1"`` or ``"fsdp2"``.
+
+    Examples:
+        >>> gather_full_fsdp_state(nn.Linear(2, 1), None, "ddp")
+        Traceback (most recent call last):
+        ...
+        ValueError: gather_full_fsdp_state is for 'fsdp1' and 'fsdp2', not 'ddp'
+    """
+    if strategy not in ("fsdp1", "fsdp2"):
+        raise ValueError(f"gather_full_fsdp_state is for 'fsdp1' and 'fsdp2', not {strategy!r}")
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    if strategy == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        # cpu_offload=True with full_state_dict=True is DCP's rank-0-only mode (CPU too).
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_state_dict(
+            model, [optimizer] if optimizer is not None else [], options=options
+        )
+        return dict(model_state), dict(optim_state)
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    # DCP ties FSDP1's rank0_only to cpu_offload, which breaks on CPU: use FSDP1's own API.
+    with FSDP1.state_dict_type(
+        model,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True),
+        FullOptimStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True),
+    ):
+        model_state = model.state_dict()
+        optim_state = FSDP1.optim_state_dict(model, optimizer) if optimizer is not None else {}
+    return dict(model_state), dict(optim_state)
+
+
+class _UnmutatedStateDict:
+    """Hands FairScale an optimizer state dict it may change without changing the optimizer.
+
+    ``FullyShardedDataParallel.gather_full_optim_state_dict`` turns each ``step`` tensor
+    of ``optim.state_dict()`` into a float in place; that dict's per-parameter entries are
+    the optimizer's own, and the next ``optimizer.step()`` then fails ("state_steps
+    argument must contain a list of singleton tensors"). Copying the entries (not the
+    tensors in them) keeps the live optimizer intact.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.optimizer.state_dict()
+        return {**state, "state": {k: dict(v) for k, v in state["state"].items()}}
+
+
+def _consolidate_on_every_rank(
+    optimizer: torch.optim.Optimizer, strategy: Strategy
+) -> dict[str, Any]:
+    """The whole position-keyed state of a ZeRO or OSS optimizer, on every rank (collective)."""
+    import torch.distributed as dist
+
+    if strategy != "zero":
+        # FairScale: recipient -1 materialises the whole state on every rank.
+        optimizer.consolidate_state_dict(recipient_rank=-1)  # type: ignore[attr-defined]
+        return optimizer.state_dict()
+    # PyTorch's ZeRO consolidates to one rank per call: rank 0, which then broadcasts it.
+    optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
+    whole = [optimizer.state_dict() if _rank() == 0 else None]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(whole, src=0)
+    assert whole[0] is not None
+    return whole[0]
+
+
 def get_full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy
 ) -> tuple[dict[str, Any] | None, _OptimizerState | None]:
-    """Gather the full model and optimizer state on rank 0 (collective: call on every rank).
+    """Gather the full model and optimizer state (collective: call on every rank).
+
+    Parameters that every rank replicates (plain module, DDP, ZeRO, OSS, ShardedDDP) are
+    returned on every rank, as are ZeRO and OSS optimizer states, which are consolidated on
+    every rank. Sharded parameters (FSDP1, FSDP2, FairScale FSDP) are gathered into rank 0
+    only (:func:`gather_full_fsdp_state`): the other ranks get ``(None, None)``.
 
     Returns:
-        ``(model_state, optimizer_state)`` on rank 0, ``(None, None)`` on the other ranks.
-        The optimizer state is keyed by parameter name, except for FairScale FSDP, whose
-        own gathered format (keyed by position) is kept.
+        ``(model_state, optimizer_state)``, or ``(None, None)`` on ranks other than 0 for
+        FSDP. The optimizer state is keyed by parameter name, except for FairScale FSDP,
+        whose own gathered format (keyed by position) is kept.
 
     Examples:
         >>> layer = nn.Linear(2, 1)
@@ -139,33 +233,30 @@ def get_full_state(
         (['bias', 'weight'], None)
     """
     if strategy in ("fsdp1", "fsdp2"):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        # On GPU, cpu_offload gathers to rank 0's host memory only. Parameters already on
-        # the CPU must not be "offloaded": FSDP1 then frees the storage it is reading.
-        on_gpu = any(p.is_cuda for p in model.parameters())
-        options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
-        model_state, optim_state = get_state_dict(
-            model, [optimizer] if optimizer is not None else [], options=options
-        )
+        model_state, optim_state = gather_full_fsdp_state(model, optimizer, strategy)
         if _rank() != 0:
             return None, None
-        return dict(model_state), (dict(optim_state) if optimizer is not None else None)
+        return model_state, (optim_state if optimizer is not None else None)
     if strategy == "fairscale_fsdp":
-        model_state = model.state_dict()  # collective: every rank takes part in the gather
-        gathered = model.gather_full_optim_state_dict(optimizer) if optimizer else None  # type: ignore[operator]
-        return (dict(model_state), gathered) if _rank() == 0 else (None, None)
+        # FairScale's state_dict() gathers onto every rank's device (its rank-0-only mode
+        # is fixed when the model is wrapped); only rank 0 keeps a host copy.
+        state = model.state_dict()  # collective: every rank takes part in the gather
+        gather = model.gather_full_optim_state_dict  # returns None on ranks other than 0
+        gathered = gather(_UnmutatedStateDict(optimizer)) if optimizer else None  # type: ignore[operator]
+        if _rank() != 0:
+            return None, None
+        on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        return on_host, gathered
+    position_keyed = None
     if optimizer is not None and strategy in ("zero", "oss", "sharded_ddp"):
-        consolidate = optimizer.consolidate_state_dict  # type: ignore[attr-defined]
-        # Every rank sends its shard; only rank 0 keeps the whole state.
-        consolidate(0) if strategy == "zero" else consolidate(recipient_rank=0)
-    if _rank() != 0:
-        return None, None
+        position_keyed = _consolidate_on_every_rank(optimizer, strategy)
     model_state = dict(unwrap(model).state_dict())
     if optimizer is None:
         return model_state, None
+    if position_keyed is None:
+        position_keyed = optimizer.state_dict()
     names = names_in_optimizer_order(unwrap(model), optimizer)
-    return model_state, optimizer_state_by_name(optimizer.state_dict(), names)
+    return model_state, optimizer_state_by_name(position_keyed, names)
 
 
 def expected_model_shapes(model: nn.Module, strategy: Strategy) -> dict[str, tuple[int, ...]]:
@@ -221,7 +312,9 @@ def set_full_state(
     if strategy == "fairscale_fsdp":
         model.load_state_dict(model_state)
         if optimizer is not None and optim_state is not None:
-            optimizer.load_state_dict(model.get_shard_from_optim_state_dict(optim_state))  # type: ignore[operator]
+            # Its gather left each "step" a number; Adam's load_state_dict makes it a tensor.
+            shard = model.get_shard_from_optim_state_dict(optim_state)  # type: ignore[operator]
+            optimizer.load_state_dict(shard)
         return
     by_position = None
     if optimizer is not None and optim_state is not None:  # checked before the model changes

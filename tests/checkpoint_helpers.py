@@ -5,6 +5,7 @@ Functions here run inside ranks started by ``fsdp_guide.launch(..., start_method
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -131,7 +132,14 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str) 
         return clone({"model": dict(model_state), "optimizer": dict(optim_state)})
     if strategy == "fairscale_fsdp":
         state = {"model": dict(model.state_dict())}
-        state["optimizer"] = model.gather_full_optim_state_dict(optimizer)  # type: ignore[operator]
+        # FairScale's gather turns the `step` tensors of the dict it is given into floats in
+        # place, and optimizer.state_dict() shares its per-parameter dicts with the live
+        # optimizer, whose next step() would then fail: hand it copies of those dicts.
+        sd = optimizer.state_dict()
+        copies = SimpleNamespace(
+            state_dict=lambda: {**sd, "state": {k: dict(v) for k, v in sd["state"].items()}}
+        )
+        state["optimizer"] = model.gather_full_optim_state_dict(copies)  # type: ignore[operator]
         return clone(state)
     inner = model.module if hasattr(model, "module") else model
     if strategy == "zero":

@@ -139,3 +139,35 @@ def test_consolidate_command_rejects_a_file_source(
     assert len(err) == 1
     assert "is not a directory; consolidate takes a sharded checkpoint" in err[0]
     assert not (tmp_path / "out.pt").exists()
+
+
+def save_with_one_load_with_other(
+    rank: int, world_size: int, source: str, target: str, path: str
+) -> Any:
+    model, optimizer = build(source, seed=0)
+    train(model, optimizer, start=0, steps=2)
+    checkpoint.save(path, model, optimizer, kind="sharded", extra={"step": 2})
+    saved = snapshot(model, optimizer, source)
+    expected_losses = train(model, optimizer, start=2, steps=2)
+    fresh, fresh_optimizer = build(target, seed=1)
+    extra = checkpoint.load(path, fresh, fresh_optimizer)
+    loaded = snapshot(fresh, fresh_optimizer, target)
+    losses = train(fresh, fresh_optimizer, start=2, steps=2)
+    return differences(saved, loaded), extra, losses == expected_losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("source", "target"), [("fsdp1", "fsdp2"), ("fsdp2", "fsdp1")])
+def test_sharded_checkpoint_loads_across_pytorch_fsdp_versions(
+    tmp_path: Path, source: str, target: str
+) -> None:
+    # load() accepts FSDP1 shards into FSDP2 and back: both split tensors along dim 0 alike.
+    results = launch(
+        save_with_one_load_with_other,
+        2,
+        args=(source, target, str(tmp_path / "ckpt")),
+        backend="gloo",
+        start_method="fork",
+    )
+    assert results == [([], {"step": 2}, True)] * 2

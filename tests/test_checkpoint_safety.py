@@ -261,11 +261,15 @@ def test_sharded_checkpoint_into_a_different_model_lists_the_differences(tmp_pat
         )
 
 
-def test_truncated_full_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keep", [1, 10, 0.5, -200], ids=["1B", "10B", "half", "all-200B"])
+def test_truncated_full_file(tmp_path: Path, keep: float) -> None:
+    # A file cut to a byte or two is not a zip archive: it must read as truncated, not as
+    # a refused pickle payload.
     path = tmp_path / "ckpt.pt"
     model, optimizer = trained_module()
     checkpoint.save(path, model, optimizer)
-    path.write_bytes(path.read_bytes()[:-200])
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep) if isinstance(keep, float) else keep])
     with pytest.raises(CheckpointError, match=r"ckpt.pt is truncated or corrupt"):
         checkpoint.load(path, *build("module", seed=1))
 
@@ -344,3 +348,51 @@ def test_failed_load_leaves_the_model_unchanged(tmp_path: Path) -> None:
         checkpoint.load(path, model, optimizer)
     assert differences(before, dict(model.state_dict())) == []
     assert optimizer.state_dict()["state"] == {}
+
+
+def save_sharded_into(rank: int, world_size: int, path: str) -> None:
+    model, optimizer = build("fsdp2", seed=0)
+    checkpoint.save(path, model, optimizer, kind="sharded")
+
+
+@pytest.mark.timeout(120)
+def test_sharded_save_refuses_a_directory_holding_other_files(tmp_path: Path) -> None:
+    # A save removes older data-* directories: it must never touch what it did not write.
+    (tmp_path / "data-raw").mkdir()
+    (tmp_path / "data-raw" / "keep.txt").write_text("the user's data")
+    (tmp_path / "notes.txt").write_text("notes")
+    with pytest.raises(
+        RankError,
+        match=r"ValueError: .* holds data-raw, notes\.txt, which a sharded checkpoint does not "
+        r"write: choose a new or empty directory",
+    ):
+        launch(save_sharded_into, 1, args=(str(tmp_path),), backend="gloo", start_method="fork")
+    assert (tmp_path / "data-raw" / "keep.txt").read_text() == "the user's data"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data-raw", "notes.txt"]
+
+
+def load_name_keyed_into_fairscale_fsdp(rank: int, world_size: int, path: str) -> None:
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+    # Built on the CPU only to be recognised: the error comes before any gather.
+    model = FullyShardedDataParallel(nn.Linear(2, 1), compute_device=torch.device("cpu"))
+    checkpoint.load(path, model, torch.optim.AdamW(model.parameters()))
+
+
+@pytest.mark.timeout(120)
+def test_name_keyed_optimizer_state_is_refused_by_fairscale_fsdp(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    layer = nn.Linear(2, 1)
+    checkpoint.save(path, layer, torch.optim.AdamW(layer.parameters()))
+    with pytest.raises(
+        RankError,
+        match=r"holds a 'module' optimizer state, keyed by parameter name; FairScale FSDP "
+        r"loads only its own optimizer state: pass optimizer=None",
+    ):
+        launch(
+            load_name_keyed_into_fairscale_fsdp,
+            1,
+            args=(str(path),),
+            backend="gloo",
+            start_method="fork",
+        )
