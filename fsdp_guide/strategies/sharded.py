@@ -217,17 +217,19 @@ class DDPShardedStrategy(DDPStrategy):
             yield None
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        """Gather OSS shards on rank 0 (a collective: every rank calls it); only rank 0 keeps it.
+        """The full optimizer state, consolidated from the OSS shards on every rank.
 
-        Only global rank 0 writes checkpoints, so other ranks return an empty dict.
+        A collective: every rank must call it (Lightning's ``save_checkpoint`` does). Each
+        rank gets the same full state, so a callback reading it sees the whole optimizer on
+        any rank; Lightning still writes the checkpoint once, from global rank 0.
         """
         from fairscale.optim import OSS
 
         plain = unwrap_optimizer(optimizer)
         if not isinstance(plain, OSS):
             return super().optimizer_state(optimizer)
-        plain.consolidate_state_dict(recipient_rank=0)
-        state: dict[str, Tensor] = plain.state_dict() if self.is_global_zero else {}
+        plain.consolidate_state_dict(recipient_rank=-1)  # -1: materialise on every rank
+        state: dict[str, Tensor] = plain.state_dict()
         return state
 
     def pre_backward(self, closure_loss: Tensor) -> None:
