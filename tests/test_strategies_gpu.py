@@ -163,9 +163,20 @@ def test_checkpoint_round_trip_resumes_like_an_uninterrupted_run(tmp_path: Path)
     assert_close(resumed.losses, full.losses[3:], rtol=1e-5)
 
 
-def test_optimizer_on_unsharded_params_names_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"self\.trainer\.model\.parameters\(\)"):
-        train(DDPFullyShardedStrategy(), FSDPTransformer(use_own_params=True), max_steps=1)
+@pytest.mark.parametrize(
+    ("min_num_params", "match"),
+    [
+        (100_000_000, "empty parameter list"),  # only the root wrapped: self.parameters() is empty
+        (10_000, "miss 1 sharded parameter"),  # blocks wrapped: the root's shard would be missed
+    ],
+)
+def test_optimizer_on_unsharded_params_names_the_fix(min_num_params: int, match: str) -> None:
+    strategy = DDPFullyShardedStrategy(min_num_params=min_num_params)
+    with pytest.raises(
+        ValueError,
+        match=rf"self\.trainer\.model\.parameters\(\).*{match}|{match}.*self\.trainer\.model",
+    ):
+        train(strategy, FSDPTransformer(use_own_params=True), max_steps=1)
 
 
 def test_seed_example_boring_model_fp16() -> None:

@@ -225,6 +225,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Wrap the module in FSDP, then build the optimizers from the sharded parameters."""
         assert self.accelerator is not None and self.model is not None
+        assert self.lightning_module is not None
         self.accelerator.setup(trainer)
         self.precision_plugin = to_sharded_precision(self.precision_plugin)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -242,7 +243,10 @@ class DDPFullyShardedStrategy(DDPStrategy):
                     raise ValueError(f"{USE_TRAINER_MODEL} ({err})") from err
                 raise
             check_optimizers_use_sharded_params(
-                [unwrap_optimizer(o) for o in self.optimizers], self.model, USE_TRAINER_MODEL
+                [unwrap_optimizer(o) for o in self.optimizers],
+                self.model,
+                USE_TRAINER_MODEL,
+                module_params=self.lightning_module.parameters(),
             )
         self.setup_precision_plugin()
         if fitting and not self.cpu_offload:
