@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.strategies.registry import _StrategyRegistry
+from lightning_fabric.utilities.imports import _IS_INTERACTIVE
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
@@ -29,7 +30,11 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
-from fsdp_guide.strategies._common import check_extra_kwargs, unwrap_optimizer
+from fsdp_guide.strategies._common import (
+    check_extra_kwargs,
+    notebook_start_method,
+    unwrap_optimizer,
+)
 from fsdp_guide.strategies._fsdp_helpers import (
     apply_activation_checkpointing,
     check_optimizers_use_sharded_params,
@@ -75,7 +80,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         precision_plugin: Lightning precision plugin; replaced by its shard-aware equivalent.
         process_group_backend: Process group backend; ``"nccl"`` by default on CUDA.
         timeout: Timeout of the process group's collectives.
-        start_method: ``"popen"`` (default), ``"spawn"`` or ``"fork"``.
+        start_method: ``"popen"`` (default), ``"spawn"`` or ``"fork"``; in an interactive
+            session ``"popen"`` cannot work and ``"fork"`` is used instead.
         **kwargs: Further FairScale ``FullyShardedDataParallel`` arguments.
 
     Raises:
@@ -166,6 +172,10 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         # Called when the Trainer is created: fail there, before any process starts.
         self._require_cuda()
+        # In a notebook "popen" cannot work (the Trainer would refuse it): fork instead.
+        self._start_method = notebook_start_method(  # type: ignore[assignment]
+            self._start_method, type(self).__name__, _IS_INTERACTIVE
+        )
         super()._configure_launcher()
 
     def setup_environment(self) -> None:

@@ -26,7 +26,6 @@ from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities import rank_zero_info
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
@@ -34,6 +33,7 @@ from torch.optim import Optimizer
 from fsdp_guide.strategies._common import (
     check_extra_kwargs,
     constructor_defaults,
+    notebook_start_method,
     retarget_schedulers,
     unwrap_optimizer,
 )
@@ -147,10 +147,9 @@ class DDPShardedStrategy(DDPStrategy):
         self.sharded_ddp_kwargs: dict[str, Any] = dict(kwargs)
 
     def _configure_launcher(self) -> None:
-        if self._start_method == "popen" and _IS_INTERACTIVE:
-            # Re-running the script is impossible from a notebook; fork is what works there.
-            rank_zero_info(f"{type(self).__name__}: interactive session, starting ranks with fork")
-            self._start_method = "fork"
+        self._start_method = notebook_start_method(  # type: ignore[assignment]
+            self._start_method, type(self).__name__, _IS_INTERACTIVE
+        )
         super()._configure_launcher()
 
     def setup(self, trainer: pl.Trainer) -> None:
