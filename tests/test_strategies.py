@@ -181,26 +181,46 @@ def test_save_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
         assert resumed[rank]["lr"] == full[rank]["lr"][3:]
 
 
-def test_validate_runs_unwrapped(tmp_path: Path) -> None:
-    class Probe(RecordingBoringModel):
-        def validation_step(self, batch: Any, batch_idx: int) -> Any:
-            self.record["model_type"] = [type(self.trainer.strategy.model).__name__]
-            return super().validation_step(batch, batch_idx)
+class UnwrappedProbe(RecordingBoringModel):
+    """Records the strategy's model type in every evaluation loop."""
 
-        def on_validation_end(self) -> None:
-            self.write_record()
+    def probe(self) -> None:
+        self.record["model_type"] = [type(self.trainer.strategy.model).__name__]
+        self.write_record()
 
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        self.probe()
+        return super().validation_step(batch, batch_idx)
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        self.probe()
+        return super().test_step(batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        self.probe()
+        return super().predict_step(batch, batch_idx, dataloader_idx)
+
+
+@pytest.mark.parametrize("loop", ["validate", "test", "predict"])
+def test_evaluation_loops_run_unwrapped(tmp_path: Path, loop: str) -> None:
     trainer = pl.Trainer(
         strategy=sharded(),
         accelerator="cpu",
         devices=2,
         limit_val_batches=2,
+        limit_test_batches=2,
+        limit_predict_batches=2,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.validate(Probe(tmp_path), verbose=False)
-    assert [r["model_type"] for r in read_records(tmp_path)] == [["Probe"], ["Probe"]]
+    run = getattr(trainer, loop)
+    if loop == "predict":
+        run(UnwrappedProbe(tmp_path))
+    else:
+        run(UnwrappedProbe(tmp_path), verbose=False)
+    records = read_records(tmp_path)
+    assert [r["model_type"] for r in records] == [["UnwrappedProbe"], ["UnwrappedProbe"]]
 
 
 def test_popen_launcher_trains_boring_model_from_a_script(tmp_path: Path) -> None:
