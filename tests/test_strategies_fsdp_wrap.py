@@ -161,3 +161,27 @@ def test_optimizer_from_self_parameters_after_inner_wrapping_is_refused(
     else:
         with pytest.raises(ValueError, match=error):
             check()
+
+
+def test_teardown_leaves_the_shards_on_their_device(
+    one_rank_world: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_fabric.plugins.environments import LightningEnvironment
+    from pytorch_lightning.accelerators import CPUAccelerator
+
+    strategy = cpu_strategy(min_num_params=10_000)
+    strategy.accelerator = CPUAccelerator()
+    strategy.cluster_environment = LightningEnvironment()
+    module = LitTransformer()
+    strategy.connect(module)
+    strategy.model = strategy._wrap_model(module)
+    moves: list[str] = []
+    for name in ("cpu", "to"):
+        monkeypatch.setattr(module, name, lambda *args, name=name, **kw: moves.append(name))
+    torn_down: list[str] = []
+    monkeypatch.setattr(strategy.accelerator, "teardown", lambda: torn_down.append("accelerator"))
+    strategy.teardown()
+    # Lightning's default would call module.cpu(): NCCL could not gather CPU shards afterwards.
+    assert moves == []
+    assert torn_down == ["accelerator"]
+    assert isinstance(strategy.model, FullyShardedDataParallel)

@@ -104,12 +104,17 @@ def reference_losses() -> list[float]:
     return reference.losses
 
 
-def test_auto_wrap_trains_like_a_single_device_run() -> None:
+def test_auto_wrap_trains_like_a_single_device_run(tmp_path: Path) -> None:
     module = FSDPTransformer()
     trainer = train(DDPFullyShardedStrategy(min_num_params=10_000), module)
     # Each block (about 12.7k parameters) got its own wrapper, plus the root.
     assert fsdp_modules(trainer.strategy.model) == 1 + SMALL_TRANSFORMER.n_layers
     assert_close(module.losses, reference_losses(), rtol=1e-4)
+    # Teardown left the shards on the GPU, so the model can still be gathered and saved.
+    assert {p.device.type for p in trainer.strategy.model.parameters()} == {"cuda"}
+    trainer.save_checkpoint(tmp_path / "after_fit.ckpt")
+    saved = torch.load(tmp_path / "after_fit.ckpt", weights_only=False)
+    assert "model.blocks.0.fc1.weight" in saved["state_dict"]
 
 
 def test_cpu_offload_keeps_parameter_shards_on_cpu() -> None:

@@ -324,6 +324,26 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Nothing to prepare: FSDP registers its own backward hooks."""
 
+    def teardown(self) -> None:
+        """Release the accelerator and plugins, leaving the shards where they are.
+
+        Lightning's default moves the module and optimizer state to CPU. FSDP shards must
+        stay on their GPU: ``trainer.save_checkpoint`` after ``fit`` and the fork launcher's
+        final ``state_dict`` gather them with NCCL, which needs CUDA tensors (Lightning's
+        own ``FSDPStrategy`` skips the move for the same reason).
+        """
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            assert self.model is not None
+            self.model = self._layer_sync.revert(self.model)
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Add ``ddp_fully_sharded`` (never ``fsdp``: Lightning uses it for PyTorch FSDP)."""
