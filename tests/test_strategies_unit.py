@@ -205,3 +205,11 @@ def test_fully_sharded_forks_in_an_interactive_session(
     assert strategy.launcher is not None
     # What the Trainer checks in a notebook before it accepts a strategy.
     assert strategy.launcher.is_interactive_compatible is (expected == "fork")
+
+
+# ("16-mixed" on CPU never reaches the strategy: Lightning turns it into "bf16-mixed".)
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
+def test_bad_precision_fails_when_the_trainer_is_created(precision: str) -> None:
+    # Before any rank starts, not in every rank's setup.
+    with pytest.raises(ValueError, match="use precision='32-true', 'bf16-mixed'"):
+        pl.Trainer(strategy="ddp_sharded_fork", accelerator="cpu", devices=2, precision=precision)  # type: ignore[arg-type]

@@ -41,7 +41,7 @@ from fsdp_guide.strategies._fsdp_helpers import (
     contains_fsdp,
     normalize_layer_classes,
 )
-from fsdp_guide.strategies._precision import to_sharded_precision
+from fsdp_guide.strategies._precision import check_sharded_precision, to_sharded_precision
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -172,6 +172,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         # Called when the Trainer is created: fail there, before any process starts.
         self._require_cuda()
+        check_sharded_precision(self.precision_plugin)  # before any rank starts
         # In a notebook "popen" cannot work (the Trainer would refuse it): fork instead.
         self._start_method = notebook_start_method(  # type: ignore[assignment]
             self._start_method, type(self).__name__, _IS_INTERACTIVE

@@ -37,7 +37,7 @@ from fsdp_guide.strategies._common import (
     retarget_schedulers,
     unwrap_optimizer,
 )
-from fsdp_guide.strategies._precision import to_sharded_precision
+from fsdp_guide.strategies._precision import check_sharded_precision, to_sharded_precision
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -147,6 +147,7 @@ class DDPShardedStrategy(DDPStrategy):
         self.sharded_ddp_kwargs: dict[str, Any] = dict(kwargs)
 
     def _configure_launcher(self) -> None:
+        check_sharded_precision(self.precision_plugin)  # before any rank starts
         self._start_method = notebook_start_method(  # type: ignore[assignment]
             self._start_method, type(self).__name__, _IS_INTERACTIVE
         )
