@@ -103,9 +103,9 @@ def test_each_rank_holds_only_its_optimizer_shard(tmp_path: Path) -> None:
     shards = [s["optimizer"] for s in sharded_states]
     # Each rank holds only its shard: together exactly the full state, none of it twice...
     assert sum(shards) == full
-    # ...and each close to ZeRO-1's prediction for 2 ranks (OSS balances whole tensors).
+    # ...and each within 5% of ZeRO-1's prediction for 2 ranks (OSS balances whole tensors).
     per_rank = estimate_model_state(num_params, 2, "oss").optimizer
-    assert all(abs(shard - per_rank) < 0.2 * per_rank for shard in shards), (shards, per_rank)
+    assert all(abs(shard - per_rank) < 0.05 * per_rank for shard in shards), (shards, per_rank)
     # Parameters are not sharded by OSS + ShardedDDP: the full model on every rank.
     assert [s["params"] for s in sharded_states] == [4 * num_params] * 2
 
