@@ -237,8 +237,11 @@ def test_popen_launcher_trains_boring_model_from_a_script(tmp_path: Path) -> Non
         "    max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,\n"
         "    enable_model_summary=False, limit_val_batches=0)\n"
         "trainer.fit(BoringModel())\n"
-        "print('RANK', trainer.global_rank, 'STEPS', trainer.global_step,\n"
-        "      type(trainer.optimizers[0]).__name__)\n"
+        "import sys\n"
+        "name = type(trainer.optimizers[0]).__name__\n"
+        "# One write per rank: both ranks share this stdout, separate writes can interleave.\n"
+        "sys.stdout.write(f'RANK {trainer.global_rank} STEPS {trainer.global_step} {name}\\n')\n"
+        "sys.stdout.flush()\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run(
