@@ -17,28 +17,24 @@ from pytorch_lightning.demos.boring_classes import BoringModel
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from fsdp_guide.memory import measure_model_state
 from fsdp_guide.models import TinyTransformer, TransformerConfig, loss_fn, synthetic_batch
 
 SMALL_TRANSFORMER = TransformerConfig(vocab_size=64, dim=32, n_heads=2, n_layers=2, seq_len=16)
 
 
-def tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor inside nested dicts/lists (optimizer state)."""
-    if isinstance(obj, Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
+def measured_model_state(trainer: pl.Trainer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds, by fsdp_guide.memory.
 
-
-def local_optimizer_state_bytes(optimizer: Any) -> int:
-    """Bytes of optimizer state this rank holds: OSS's inner shard, or the whole state."""
-    # TODO(lead): switch to fsdp_guide.memory.measure_model_state once merged.
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
-    inner = getattr(optimizer, "optim", optimizer)  # OSS keeps its shard in .optim
-    return tensor_bytes(dict(inner.state))
+    Call it right after the optimizer step (``on_train_batch_end``) and before the next
+    ``zero_grad``, where :func:`~fsdp_guide.memory.measure_model_state` is meant to be used.
+    For OSS it counts only this rank's shard of the optimizer state.
+    """
+    optimizer = trainer.optimizers[0]
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+    assert trainer.strategy.model is not None
+    state = measure_model_state(trainer.strategy.model, optimizer)
+    return {"params": state.params, "grads": state.grads, "optimizer": state.optimizer}
 
 
 def global_grad_norm(optimizer: Any) -> float:
@@ -74,7 +70,10 @@ class RecorderMixin:
         self.record["accumulating"].append(getattr(model, "_should_accumulate_grads", None))
 
     def on_train_batch_end(self, *args: Any) -> None:
-        self.record["lr"].append(self.trainer.optimizers[0].param_groups[0]["lr"])  # type: ignore[attr-defined]
+        trainer = self.trainer  # type: ignore[attr-defined]
+        self.record["lr"].append(trainer.optimizers[0].param_groups[0]["lr"])
+        # After this step's optimizer.step(), before the next zero_grad: the last step's is kept.
+        self.record["model_state"] = [measured_model_state(trainer)]
 
     def configure_gradient_clipping(
         self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
@@ -85,7 +84,6 @@ class RecorderMixin:
 
     def on_train_end(self) -> None:
         trainer = self.trainer  # type: ignore[attr-defined]
-        self.record["optimizer_state_bytes"] = [local_optimizer_state_bytes(trainer.optimizers[0])]
         self.record["optimizer_type"] = [type(trainer.optimizers[0]).__name__]
         self.record["model_type"] = [type(trainer.strategy.model).__name__]
         self.record["uses_buckets"] = [getattr(trainer.strategy.model, "_use_buckets", None)]

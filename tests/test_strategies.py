@@ -15,15 +15,16 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.strategies import DDPStrategy
 from strategy_helpers import (
+    SMALL_TRANSFORMER,
     RecordingBoringModel,
     RecordingTransformer,
     fit,
     read_records,
 )
 
-from fsdp_guide.strategies import (
-    DDPShardedStrategy,
-)
+from fsdp_guide.memory import estimate_model_state
+from fsdp_guide.models import TinyTransformer, count_params
+from fsdp_guide.strategies import DDPShardedStrategy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -40,6 +41,23 @@ def assert_losses_close(a: list[float], b: list[float], rtol: float) -> None:
     assert len(a) == len(b) > 0
     for step, (x, y) in enumerate(zip(a, b, strict=True)):
         assert math.isclose(x, y, rel_tol=rtol), f"step {step}: {x} != {y}"
+
+
+def assert_same_state(got: Any, want: Any) -> None:
+    """Nested optimizer states are equal: same keys, equal tensors, equal other values."""
+    assert type(got) is type(want)
+    if isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for key in want:
+            assert_same_state(got[key], want[key])
+    elif isinstance(want, list | tuple):
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert_same_state(g, w)
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want)
+    else:
+        assert got == want
 
 
 @pytest.mark.parametrize(
@@ -73,14 +91,23 @@ def test_sharded_matches_plain_ddp_per_step(
 def test_each_rank_holds_only_its_optimizer_shard(tmp_path: Path) -> None:
     fit(sharded(), RecordingTransformer(tmp_path / "sharded"), max_steps=1)
     fit(plain_ddp(), RecordingTransformer(tmp_path / "ddp"), max_steps=1)
-    shards = [r["optimizer_state_bytes"][0] for r in read_records(tmp_path / "sharded")]
-    full = [r["optimizer_state_bytes"][0] for r in read_records(tmp_path / "ddp")]
-    assert full[0] == full[1] > 0
-    assert all(0 < shard < full[0] for shard in shards)
-    # AdamW keeps a 4-byte step per parameter tensor on top of exp_avg/exp_avg_sq: the shards
-    # add up to the full state exactly, and are balanced within 40%.
-    assert sum(shards) == full[0]
-    assert max(shards) / min(shards) < 1.4
+    # Measured with fsdp_guide.memory after the step, on each rank.
+    sharded_states = [r["model_state"][0] for r in read_records(tmp_path / "sharded")]
+    ddp_states = [r["model_state"][0] for r in read_records(tmp_path / "ddp")]
+    model = TinyTransformer(SMALL_TRANSFORMER)
+    num_params, num_tensors = count_params(model), len(list(model.parameters()))
+    # AdamW keeps exp_avg and exp_avg_sq (ZeRO's K = 8 bytes per fp32 parameter) plus a
+    # 4-byte step per parameter tensor, which the ZeRO formula leaves out.
+    full = estimate_model_state(num_params, 1, "ddp").optimizer + 4 * num_tensors
+    assert [s["optimizer"] for s in ddp_states] == [full, full]
+    shards = [s["optimizer"] for s in sharded_states]
+    # Each rank holds only its shard: together exactly the full state, none of it twice...
+    assert sum(shards) == full
+    # ...and each within 5% of ZeRO-1's prediction for 2 ranks (OSS balances whole tensors).
+    per_rank = estimate_model_state(num_params, 2, "oss").optimizer
+    assert all(abs(shard - per_rank) < 0.05 * per_rank for shard in shards), (shards, per_rank)
+    # Parameters are not sharded by OSS + ShardedDDP: the full model on every rank.
+    assert [s["params"] for s in sharded_states] == [4 * num_params] * 2
 
 
 def test_accumulation_skips_reduction_and_clipping_uses_the_global_norm(tmp_path: Path) -> None:
@@ -115,6 +142,9 @@ def test_save_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
     class SaveAt(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
             if trainer.global_step == 3:
+                # What each rank gets from the strategy (a collective, like the save).
+                state = trainer.strategy.optimizer_state(trainer.optimizers[0])
+                torch.save(state, tmp_path / f"optimizer_state_rank{trainer.global_rank}.pt")
                 trainer.save_checkpoint(ckpt)  # collective: every rank calls it
 
     # Epochs of 3 steps: the checkpoint falls on an epoch boundary, where Lightning resumes
@@ -129,8 +159,14 @@ def test_save_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
         **options,
     )
     saved = torch.load(ckpt, weights_only=False)
-    # Consolidated: one full Adam state (both parameters) written once, by rank 0.
-    assert len(saved["optimizer_states"][0]["state"]) == 2
+    # Consolidated: one full Adam state (both parameters), written once (by rank 0)...
+    written = saved["optimizer_states"][0]
+    assert len(written["state"]) == 2
+    assert {name for name in written["state"][0]} == {"step", "exp_avg", "exp_avg_sq"}
+    # ...and materialised in full, the same, on every rank.
+    for rank in range(2):
+        state = torch.load(tmp_path / f"optimizer_state_rank{rank}.pt", weights_only=False)
+        assert_same_state(state, written)
     fit(
         sharded(),
         RecordingBoringModel(tmp_path / "resumed"),
@@ -145,26 +181,46 @@ def test_save_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
         assert resumed[rank]["lr"] == full[rank]["lr"][3:]
 
 
-def test_validate_runs_unwrapped(tmp_path: Path) -> None:
-    class Probe(RecordingBoringModel):
-        def validation_step(self, batch: Any, batch_idx: int) -> Any:
-            self.record["model_type"] = [type(self.trainer.strategy.model).__name__]
-            return super().validation_step(batch, batch_idx)
+class UnwrappedProbe(RecordingBoringModel):
+    """Records the strategy's model type in every evaluation loop."""
 
-        def on_validation_end(self) -> None:
-            self.write_record()
+    def probe(self) -> None:
+        self.record["model_type"] = [type(self.trainer.strategy.model).__name__]
+        self.write_record()
 
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        self.probe()
+        return super().validation_step(batch, batch_idx)
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        self.probe()
+        return super().test_step(batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        self.probe()
+        return super().predict_step(batch, batch_idx, dataloader_idx)
+
+
+@pytest.mark.parametrize("loop", ["validate", "test", "predict"])
+def test_evaluation_loops_run_unwrapped(tmp_path: Path, loop: str) -> None:
     trainer = pl.Trainer(
         strategy=sharded(),
         accelerator="cpu",
         devices=2,
         limit_val_batches=2,
+        limit_test_batches=2,
+        limit_predict_batches=2,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.validate(Probe(tmp_path), verbose=False)
-    assert [r["model_type"] for r in read_records(tmp_path)] == [["Probe"], ["Probe"]]
+    run = getattr(trainer, loop)
+    if loop == "predict":
+        run(UnwrappedProbe(tmp_path))
+    else:
+        run(UnwrappedProbe(tmp_path), verbose=False)
+    records = read_records(tmp_path)
+    assert [r["model_type"] for r in records] == [["UnwrappedProbe"], ["UnwrappedProbe"]]
 
 
 def test_popen_launcher_trains_boring_model_from_a_script(tmp_path: Path) -> None:
@@ -181,8 +237,11 @@ def test_popen_launcher_trains_boring_model_from_a_script(tmp_path: Path) -> Non
         "    max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,\n"
         "    enable_model_summary=False, limit_val_batches=0)\n"
         "trainer.fit(BoringModel())\n"
-        "print('RANK', trainer.global_rank, 'STEPS', trainer.global_step,\n"
-        "      type(trainer.optimizers[0]).__name__)\n"
+        "import sys\n"
+        "name = type(trainer.optimizers[0]).__name__\n"
+        "# One write per rank: both ranks share this stdout, separate writes can interleave.\n"
+        "sys.stdout.write(f'RANK {trainer.global_rank} STEPS {trainer.global_step} {name}\\n')\n"
+        "sys.stdout.flush()\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run(
@@ -191,3 +250,17 @@ def test_popen_launcher_trains_boring_model_from_a_script(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr[-2000:]
     assert "RANK 0 STEPS 2 OSS" in done.stdout
     assert "RANK 1 STEPS 2 OSS" in done.stdout
+
+
+def test_spawn_variant_trains_and_returns_rank_zero_weights(tmp_path: Path) -> None:
+    # "ddp_sharded_spawn" re-imports torch, Lightning and FairScale in each rank: one short run.
+    module = RecordingBoringModel(tmp_path)
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = fit("ddp_sharded_spawn", module, max_steps=2)
+    assert isinstance(trainer.strategy, DDPShardedStrategy)
+    assert trainer.strategy._start_method == "spawn"
+    records = read_records(tmp_path)
+    assert [r["optimizer_type"] for r in records] == [["OSS"], ["OSS"]]
+    assert [len(r["loss"]) for r in records] == [2, 2]
+    # Spawned ranks hand rank 0's trained weights back to this process.
+    assert any(not torch.equal(p, b) for p, b in zip(module.parameters(), before, strict=True))

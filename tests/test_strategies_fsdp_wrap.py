@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 
 import pytest
+import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from fairscale.nn import FullyShardedDataParallel
@@ -123,3 +125,63 @@ def test_fsdp_config_follows_precision(
     assert config["compute_dtype"] == dtype
     assert config["move_params_to_cpu"] is True and config["move_grads_to_cpu"] is True
     assert config["fp32_reduce_scatter"] is False
+
+
+class LitTransformer(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyTransformer(SMALL_TRANSFORMER)
+
+
+@pytest.mark.parametrize(
+    ("build_from", "error"),
+    [
+        ("trainer_model", None),
+        # self.parameters() sees the blocks' shards but not the root's (embeddings, head).
+        ("module", r"miss 1 sharded parameter.*self\.trainer\.model\.parameters\(\)"),
+    ],
+)
+def test_optimizer_from_self_parameters_after_inner_wrapping_is_refused(
+    one_rank_world: None, build_from: str, error: str | None
+) -> None:
+    module = LitTransformer()
+    wrapped = cpu_strategy(min_num_params=10_000)._wrap_model(module)
+    assert count_fsdp(wrapped) == 1 + N_LAYERS
+    params = module.parameters() if build_from == "module" else wrapped.parameters()
+    optimizer = torch.optim.AdamW(params)
+    check = functools.partial(
+        check_optimizers_use_sharded_params,
+        [optimizer],
+        wrapped,
+        USE_TRAINER_MODEL,
+        module_params=module.parameters(),
+    )
+    if error is None:
+        check()
+    else:
+        with pytest.raises(ValueError, match=error):
+            check()
+
+
+def test_teardown_leaves_the_shards_on_their_device(
+    one_rank_world: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_fabric.plugins.environments import LightningEnvironment
+    from pytorch_lightning.accelerators import CPUAccelerator
+
+    strategy = cpu_strategy(min_num_params=10_000)
+    strategy.accelerator = CPUAccelerator()
+    strategy.cluster_environment = LightningEnvironment()
+    module = LitTransformer()
+    strategy.connect(module)
+    strategy.model = strategy._wrap_model(module)
+    moves: list[str] = []
+    for name in ("cpu", "to"):
+        monkeypatch.setattr(module, name, lambda *args, name=name, **kw: moves.append(name))
+    torn_down: list[str] = []
+    monkeypatch.setattr(strategy.accelerator, "teardown", lambda: torn_down.append("accelerator"))
+    strategy.teardown()
+    # Lightning's default would call module.cpu(): NCCL could not gather CPU shards afterwards.
+    assert moves == []
+    assert torn_down == ["accelerator"]
+    assert isinstance(strategy.model, FullyShardedDataParallel)

@@ -27,21 +27,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(300)]
 class FSDPTransformer(pl.LightningModule):
     """TinyTransformer whose optimizer is built from the (sharded) trainer.model."""
 
-    def __init__(self, manual_wrap: bool = False, use_own_params: bool = False) -> None:
+    def __init__(self, use_own_params: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = TinyTransformer(SMALL_TRANSFORMER)
-        self.manual_wrap = manual_wrap
         self.use_own_params = use_own_params
         self.losses: list[float] = []
 
-    def configure_model(self) -> None:
-        if self.manual_wrap:
-            from fairscale.nn.wrap import wrap
+    def wrap_blocks(self) -> None:
+        from fairscale.nn.wrap import wrap
 
-            # Shards under DDPFullyShardedStrategy; returns the block unchanged elsewhere.
-            for i, block in enumerate(self.model.blocks):
-                self.model.blocks[i] = wrap(block)
+        # Shards under DDPFullyShardedStrategy; returns the block unchanged elsewhere.
+        for i, block in enumerate(self.model.blocks):
+            self.model.blocks[i] = wrap(block)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = loss_fn(self.model, batch)
@@ -54,6 +52,18 @@ class FSDPTransformer(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
         return DataLoader(TokenDataset(), batch_size=4)
+
+
+class ManualWrap(FSDPTransformer):
+    def configure_model(self) -> None:
+        self.wrap_blocks()
+
+
+class LegacyManualWrap(FSDPTransformer):
+    """The same wrapping in the deprecated hook that the seeds use."""
+
+    def configure_sharded_model(self) -> None:
+        self.wrap_blocks()
 
 
 def train(strategy: Any, module: pl.LightningModule, **kwargs: Any) -> pl.Trainer:
@@ -94,12 +104,17 @@ def reference_losses() -> list[float]:
     return reference.losses
 
 
-def test_auto_wrap_trains_like_a_single_device_run() -> None:
+def test_auto_wrap_trains_like_a_single_device_run(tmp_path: Path) -> None:
     module = FSDPTransformer()
     trainer = train(DDPFullyShardedStrategy(min_num_params=10_000), module)
     # Each block (about 12.7k parameters) got its own wrapper, plus the root.
     assert fsdp_modules(trainer.strategy.model) == 1 + SMALL_TRANSFORMER.n_layers
     assert_close(module.losses, reference_losses(), rtol=1e-4)
+    # Teardown left the shards on the GPU, so the model can still be gathered and saved.
+    assert {p.device.type for p in trainer.strategy.model.parameters()} == {"cuda"}
+    trainer.save_checkpoint(tmp_path / "after_fit.ckpt")
+    saved = torch.load(tmp_path / "after_fit.ckpt", weights_only=False)
+    assert "model.blocks.0.fc1.weight" in saved["state_dict"]
 
 
 def test_cpu_offload_keeps_parameter_shards_on_cpu() -> None:
@@ -112,14 +127,15 @@ def test_cpu_offload_keeps_parameter_shards_on_cpu() -> None:
     assert module.losses[-1] < module.losses[0]
 
 
-def test_manual_wrap_in_configure_model() -> None:
-    module = FSDPTransformer(manual_wrap=True)
+@pytest.mark.parametrize("module_cls", [ManualWrap, LegacyManualWrap])
+def test_manual_wrap_in_configure_model(module_cls: type[FSDPTransformer]) -> None:
+    module = module_cls()
     # min_num_params so large that auto-wrap alone would wrap only the root.
     trainer = train(DDPFullyShardedStrategy(), module)
     assert fsdp_modules(trainer.strategy.model) == 1 + SMALL_TRANSFORMER.n_layers
     assert_close(module.losses, reference_losses(), rtol=1e-4)
-    # Under another strategy the same configure_model leaves the blocks alone.
-    plain = FSDPTransformer(manual_wrap=True, use_own_params=True)
+    # Under another strategy the same hook leaves the blocks alone.
+    plain = module_cls(use_own_params=True)
     train("auto", plain, max_steps=1)
     assert all(type(b) is Block for b in plain.model.blocks)
 
@@ -163,9 +179,20 @@ def test_checkpoint_round_trip_resumes_like_an_uninterrupted_run(tmp_path: Path)
     assert_close(resumed.losses, full.losses[3:], rtol=1e-5)
 
 
-def test_optimizer_on_unsharded_params_names_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"self\.trainer\.model\.parameters\(\)"):
-        train(DDPFullyShardedStrategy(), FSDPTransformer(use_own_params=True), max_steps=1)
+@pytest.mark.parametrize(
+    ("min_num_params", "match"),
+    [
+        (100_000_000, "empty parameter list"),  # only the root wrapped: self.parameters() is empty
+        (10_000, "miss 1 sharded parameter"),  # blocks wrapped: the root's shard would be missed
+    ],
+)
+def test_optimizer_on_unsharded_params_names_the_fix(min_num_params: int, match: str) -> None:
+    strategy = DDPFullyShardedStrategy(min_num_params=min_num_params)
+    with pytest.raises(
+        ValueError,
+        match=rf"self\.trainer\.model\.parameters\(\).*{match}|{match}.*self\.trainer\.model",
+    ):
+        train(strategy, FSDPTransformer(use_own_params=True), max_steps=1)
 
 
 def test_seed_example_boring_model_fp16() -> None:

@@ -179,3 +179,37 @@ def test_popen_switches_to_fork_in_an_interactive_session(monkeypatch: pytest.Mo
     monkeypatch.setattr(sharded_module, "_IS_INTERACTIVE", False)
     trainer = pl.Trainer(strategy="ddp_sharded", accelerator="cpu", devices=2, logger=False)
     assert trainer.strategy._start_method == "popen"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("interactive", "given", "expected"),
+    [(True, "popen", "fork"), (False, "popen", "popen"), (True, "spawn", "spawn")],
+)
+def test_fully_sharded_forks_in_an_interactive_session(
+    monkeypatch: pytest.MonkeyPatch, interactive: bool, given: str, expected: str
+) -> None:
+    # The launcher is chosen without a GPU: the strategy is given a CUDA accelerator by hand.
+    from lightning_fabric.plugins.environments import LightningEnvironment
+    from pytorch_lightning.accelerators import CUDAAccelerator
+
+    import fsdp_guide.strategies.fully_sharded as fully_sharded_module
+
+    monkeypatch.setattr(fully_sharded_module, "_IS_INTERACTIVE", interactive)
+    strategy = DDPFullyShardedStrategy(
+        accelerator=CUDAAccelerator(),
+        cluster_environment=LightningEnvironment(),
+        start_method=given,  # type: ignore[arg-type]
+    )
+    strategy._configure_launcher()
+    assert strategy._start_method == expected
+    assert strategy.launcher is not None
+    # What the Trainer checks in a notebook before it accepts a strategy.
+    assert strategy.launcher.is_interactive_compatible is (expected == "fork")
+
+
+# ("16-mixed" on CPU never reaches the strategy: Lightning turns it into "bf16-mixed".)
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
+def test_bad_precision_fails_when_the_trainer_is_created(precision: str) -> None:
+    # Before any rank starts, not in every rank's setup.
+    with pytest.raises(ValueError, match="use precision='32-true', 'bf16-mixed'"):
+        pl.Trainer(strategy="ddp_sharded_fork", accelerator="cpu", devices=2, precision=precision)  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 __all__ = [
     "check_extra_kwargs",
     "constructor_defaults",
+    "notebook_start_method",
     "retarget_schedulers",
     "unwrap_optimizer",
 ]
@@ -53,6 +54,34 @@ def check_extra_kwargs(
             f"{strategy} got unknown argument(s) {unknown}; accepted: {', '.join(accepted)}"
             " (plus the standard Lightning strategy arguments)"
         )
+
+
+def notebook_start_method(start_method: str, strategy: str, interactive: bool) -> str:
+    """``"fork"`` instead of ``"popen"`` in an interactive session, else ``start_method``.
+
+    Lightning's ``"popen"`` launcher re-runs the script for the other ranks, which a notebook
+    cannot do: the Trainer refuses it there. Forking the kernel is what works.
+
+    Args:
+        start_method: The start method the strategy was given.
+        strategy: The strategy's class name, for the message.
+        interactive: Whether this is an interactive session (Jupyter, IPython).
+
+    Returns:
+        The start method to use.
+
+    Examples:
+        >>> notebook_start_method("popen", "MyStrategy", interactive=False)
+        'popen'
+        >>> notebook_start_method("spawn", "MyStrategy", interactive=True)
+        'spawn'
+    """
+    if start_method != "popen" or not interactive:
+        return start_method
+    from pytorch_lightning.utilities import rank_zero_info
+
+    rank_zero_info(f"{strategy}: interactive session, starting ranks with fork")
+    return "fork"
 
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:

@@ -1,6 +1,7 @@
 """Small helpers of :class:`~fsdp_guide.strategies.DDPFullyShardedStrategy` that need no GPU.
 
-TODO(lead): switch to ``fsdp_guide.wrap`` helpers once that branch is merged.
+They stay on FairScale's own API (``checkpoint_wrapper``, ``FullyShardedDataParallel``), which
+is what the strategy exposes to users through ``fairscale.nn.wrap``.
 """
 
 from __future__ import annotations
@@ -83,17 +84,27 @@ def contains_fsdp(model: nn.Module) -> bool:
 
 
 def check_optimizers_use_sharded_params(
-    optimizers: Iterable[Optimizer], sharded_model: nn.Module, hint: str
+    optimizers: Iterable[Optimizer],
+    sharded_model: nn.Module,
+    hint: str,
+    module_params: Iterable[nn.Parameter] = (),
 ) -> None:
-    """Raise when an optimizer updates none of the sharded model's parameters.
+    """Raise when an optimizer misses the sharded model's parameters in a way that is a mistake.
+
+    Two mistakes are caught: an optimizer that updates none of the sharded parameters (it
+    was built from the parameters FSDP replaced), and one built from the LightningModule's
+    ``self.parameters()`` after inner layers were wrapped: that sees the inner wrappers'
+    shards but not the shard of the root wrapper, which would silently never train.
 
     Args:
         optimizers: The optimizers ``configure_optimizers`` returned.
         sharded_model: The wrapped model (its parameters are the shards).
         hint: The fix, appended to the message.
+        module_params: ``lightning_module.parameters()`` after wrapping, to recognise an
+            optimizer built from them; empty to skip that check.
 
     Raises:
-        ValueError: When an optimizer references none of ``sharded_model.parameters()``.
+        ValueError: When an optimizer references no shard, or only the module's own shards.
 
     Examples:
         >>> import torch
@@ -103,12 +114,26 @@ def check_optimizers_use_sharded_params(
         Traceback (most recent call last):
         ...
         ValueError: optimizer 0 (SGD) references none of the sharded parameters; fix
+        >>> root = nn.Sequential(model, other)  # as if ``other`` were the root's own shard
+        >>> sgd = torch.optim.SGD(model.parameters())
+        >>> check_optimizers_use_sharded_params([sgd], root, "fix", model.parameters())
+        Traceback (most recent call last):
+        ...
+        ValueError: optimizer 0 (SGD) was built from the module's own parameters, ...
     """
     sharded = {id(p) for p in sharded_model.parameters()}
+    own = {id(p) for p in module_params}
     for index, optimizer in enumerate(optimizers):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if not any(id(p) in sharded for p in params):
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not params & sharded:
             raise ValueError(
                 f"optimizer {index} ({type(optimizer).__name__}) references none of the sharded"
                 f" parameters; {hint}"
+            )
+        if own and params == own and own < sharded:
+            missing = len(sharded - own)
+            raise ValueError(
+                f"optimizer {index} ({type(optimizer).__name__}) was built from the module's own"
+                f" parameters, which miss {missing} sharded parameter(s) of the root FSDP"
+                f" wrapper (they would never be updated); {hint}"
             )

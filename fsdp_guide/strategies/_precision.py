@@ -16,7 +16,16 @@ from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 from torch import nn
 from torch.optim import Optimizer
 
-__all__ = ["ShardedMixedPrecision", "ShardedPrecision", "to_sharded_precision"]
+_FP16_NEEDS_CUDA = (
+    "precision='16-mixed' with sharding needs CUDA; use precision='bf16-mixed' on CPU"
+)
+
+__all__ = [
+    "ShardedMixedPrecision",
+    "ShardedPrecision",
+    "check_sharded_precision",
+    "to_sharded_precision",
+]
 
 
 def _clip_sharded(optimizer: Optimizer, model: nn.Module | None, clip_val: float) -> bool:
@@ -74,10 +83,7 @@ class ShardedMixedPrecision(MixedPrecision):
     ) -> None:
         if precision == "16-mixed":
             if device != "cuda":
-                raise ValueError(
-                    "precision='16-mixed' with sharding needs CUDA;"
-                    " use precision='bf16-mixed' on CPU"
-                )
+                raise ValueError(_FP16_NEEDS_CUDA)
             if scaler is None:
                 from fairscale.optim.grad_scaler import ShardedGradScaler
 
@@ -88,6 +94,38 @@ class ShardedMixedPrecision(MixedPrecision):
         """Clip the global gradient norm (already unscaled), computed across all shards."""
         if not _clip_sharded(optimizer, self.sharded_model, float(clip_val)):
             super().clip_grad_by_norm(optimizer, clip_val)
+
+
+def check_sharded_precision(plugin: Precision) -> None:
+    """Raise for a precision the FairScale strategies cannot train with.
+
+    Called when the Trainer is created, so the error comes before any rank starts; it builds
+    nothing (no grad scaler, no CUDA call).
+
+    Args:
+        plugin: The plugin Lightning chose for the ``Trainer(precision=...)`` flag.
+
+    Raises:
+        ValueError: For ``"16-mixed"`` off CUDA, or ``"16-true"``, ``"bf16-true"``, ``"64-true"``.
+
+    Examples:
+        >>> check_sharded_precision(MixedPrecision("bf16-mixed", "cpu"))
+        >>> check_sharded_precision(MixedPrecision("16-mixed", "cpu"))
+        Traceback (most recent call last):
+        ...
+        ValueError: precision='16-mixed' with sharding needs CUDA; use precision='bf16-mixed' on CPU
+    """
+    if isinstance(plugin, ShardedPrecision | ShardedMixedPrecision) or type(plugin) is Precision:
+        return
+    if isinstance(plugin, MixedPrecision):
+        if plugin.precision == "16-mixed" and plugin.device != "cuda":
+            raise ValueError(_FP16_NEEDS_CUDA)
+        return
+    raise ValueError(
+        f"{type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r})"
+        " is not supported by the FairScale strategies;"
+        " use precision='32-true', 'bf16-mixed' or '16-mixed' (CUDA)"
+    )
 
 
 def to_sharded_precision(plugin: Precision) -> ShardedPrecision | ShardedMixedPrecision:
@@ -109,6 +147,7 @@ def to_sharded_precision(plugin: Precision) -> ShardedPrecision | ShardedMixedPr
         >>> to_sharded_precision(MixedPrecision("bf16-mixed", "cpu")).precision
         'bf16-mixed'
     """
+    check_sharded_precision(plugin)
     if isinstance(plugin, ShardedPrecision | ShardedMixedPrecision):
         return plugin
     if isinstance(plugin, MixedPrecision):
@@ -117,10 +156,4 @@ def to_sharded_precision(plugin: Precision) -> ShardedPrecision | ShardedMixedPr
             "16-mixed" if plugin.precision == "16-mixed" else "bf16-mixed"
         )
         return ShardedMixedPrecision(precision, plugin.device)
-    if type(plugin) is Precision:
-        return ShardedPrecision()
-    raise ValueError(
-        f"{type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r})"
-        " is not supported by the FairScale strategies;"
-        " use precision='32-true', 'bf16-mixed' or '16-mixed' (CUDA)"
-    )
+    return ShardedPrecision()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.strategies.registry import _StrategyRegistry
+from lightning_fabric.utilities.imports import _IS_INTERACTIVE
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
@@ -29,14 +30,18 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
-from fsdp_guide.strategies._common import check_extra_kwargs, unwrap_optimizer
+from fsdp_guide.strategies._common import (
+    check_extra_kwargs,
+    notebook_start_method,
+    unwrap_optimizer,
+)
 from fsdp_guide.strategies._fsdp_helpers import (
     apply_activation_checkpointing,
     check_optimizers_use_sharded_params,
     contains_fsdp,
     normalize_layer_classes,
 )
-from fsdp_guide.strategies._precision import to_sharded_precision
+from fsdp_guide.strategies._precision import check_sharded_precision, to_sharded_precision
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -75,7 +80,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
         precision_plugin: Lightning precision plugin; replaced by its shard-aware equivalent.
         process_group_backend: Process group backend; ``"nccl"`` by default on CUDA.
         timeout: Timeout of the process group's collectives.
-        start_method: ``"popen"`` (default), ``"spawn"`` or ``"fork"``.
+        start_method: ``"popen"`` (default), ``"spawn"`` or ``"fork"``; in an interactive
+            session ``"popen"`` cannot work and ``"fork"`` is used instead.
         **kwargs: Further FairScale ``FullyShardedDataParallel`` arguments.
 
     Raises:
@@ -166,6 +172,11 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         # Called when the Trainer is created: fail there, before any process starts.
         self._require_cuda()
+        check_sharded_precision(self.precision_plugin)  # before any rank starts
+        # In a notebook "popen" cannot work (the Trainer would refuse it): fork instead.
+        self._start_method = notebook_start_method(  # type: ignore[assignment]
+            self._start_method, type(self).__name__, _IS_INTERACTIVE
+        )
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
@@ -225,6 +236,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Wrap the module in FSDP, then build the optimizers from the sharded parameters."""
         assert self.accelerator is not None and self.model is not None
+        assert self.lightning_module is not None
         self.accelerator.setup(trainer)
         self.precision_plugin = to_sharded_precision(self.precision_plugin)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -242,7 +254,10 @@ class DDPFullyShardedStrategy(DDPStrategy):
                     raise ValueError(f"{USE_TRAINER_MODEL} ({err})") from err
                 raise
             check_optimizers_use_sharded_params(
-                [unwrap_optimizer(o) for o in self.optimizers], self.model, USE_TRAINER_MODEL
+                [unwrap_optimizer(o) for o in self.optimizers],
+                self.model,
+                USE_TRAINER_MODEL,
+                module_params=self.lightning_module.parameters(),
             )
         self.setup_precision_plugin()
         if fitting and not self.cpu_offload:
@@ -309,6 +324,26 @@ class DDPFullyShardedStrategy(DDPStrategy):
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Nothing to prepare: FSDP registers its own backward hooks."""
+
+    def teardown(self) -> None:
+        """Release the accelerator and plugins, leaving the shards where they are.
+
+        Lightning's default moves the module and optimizer state to CPU. FSDP shards must
+        stay on their GPU: ``trainer.save_checkpoint`` after ``fit`` and the fork launcher's
+        final ``state_dict`` gather them with NCCL, which needs CUDA tensors (Lightning's
+        own ``FSDPStrategy`` skips the move for the same reason).
+        """
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            assert self.model is not None
+            self.model = self._layer_sync.revert(self.model)
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

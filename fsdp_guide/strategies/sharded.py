@@ -26,7 +26,6 @@ from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities import rank_zero_info
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
@@ -34,10 +33,11 @@ from torch.optim import Optimizer
 from fsdp_guide.strategies._common import (
     check_extra_kwargs,
     constructor_defaults,
+    notebook_start_method,
     retarget_schedulers,
     unwrap_optimizer,
 )
-from fsdp_guide.strategies._precision import to_sharded_precision
+from fsdp_guide.strategies._precision import check_sharded_precision, to_sharded_precision
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -147,10 +147,10 @@ class DDPShardedStrategy(DDPStrategy):
         self.sharded_ddp_kwargs: dict[str, Any] = dict(kwargs)
 
     def _configure_launcher(self) -> None:
-        if self._start_method == "popen" and _IS_INTERACTIVE:
-            # Re-running the script is impossible from a notebook; fork is what works there.
-            rank_zero_info(f"{type(self).__name__}: interactive session, starting ranks with fork")
-            self._start_method = "fork"
+        check_sharded_precision(self.precision_plugin)  # before any rank starts
+        self._start_method = notebook_start_method(  # type: ignore[assignment]
+            self._start_method, type(self).__name__, _IS_INTERACTIVE
+        )
         super()._configure_launcher()
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -217,17 +217,19 @@ class DDPShardedStrategy(DDPStrategy):
             yield None
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        """Gather OSS shards on rank 0 (a collective: every rank calls it); only rank 0 keeps it.
+        """The full optimizer state, consolidated from the OSS shards on every rank.
 
-        Only global rank 0 writes checkpoints, so other ranks return an empty dict.
+        A collective: every rank must call it (Lightning's ``save_checkpoint`` does). Each
+        rank gets the same full state, so a callback reading it sees the whole optimizer on
+        any rank; Lightning still writes the checkpoint once, from global rank 0.
         """
         from fairscale.optim import OSS
 
         plain = unwrap_optimizer(optimizer)
         if not isinstance(plain, OSS):
             return super().optimizer_state(optimizer)
-        plain.consolidate_state_dict(recipient_rank=0)
-        state: dict[str, Tensor] = plain.state_dict() if self.is_global_zero else {}
+        plain.consolidate_state_dict(recipient_rank=-1)  # -1: materialise on every rank
+        state: dict[str, Tensor] = plain.state_dict()
         return state
 
     def pre_backward(self, closure_loss: Tensor) -> None:
