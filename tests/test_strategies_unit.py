@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -213,3 +215,30 @@ def test_bad_precision_fails_when_the_trainer_is_created(precision: str) -> None
     # Before any rank starts, not in every rank's setup.
     with pytest.raises(ValueError, match="use precision='32-true', 'bf16-mixed'"):
         pl.Trainer(strategy="ddp_sharded_fork", accelerator="cpu", devices=2, precision=precision)  # type: ignore[arg-type]
+
+
+class _GatherLikeFairScale(torch.nn.Module):
+    """Stands in for a FairScale FSDP root: its gather mutates ``step`` like FairScale 0.4.13."""
+
+    def gather_full_optim_state_dict(self, optim: Any) -> dict[str, Any]:
+        state = optim.state_dict()
+        for per_param in state["state"].values():
+            per_param["step"] = per_param["step"].item()
+        return state
+
+
+def test_saving_fully_sharded_optimizer_state_keeps_the_live_optimizer_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layer = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    layer(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    strategy = DDPFullyShardedStrategy()
+    monkeypatch.setattr(DDPFullyShardedStrategy, "_is_wrapped", lambda self: True)
+    strategy.model = _GatherLikeFairScale()
+    saved = strategy.optimizer_state(optimizer)
+    assert all(isinstance(s["step"], float) for s in saved["state"].values())
+    layer(torch.ones(1, 3)).sum().backward()
+    optimizer.step()  # raised "state_steps ... singleton tensors" when the gather mutated it
+    assert all(torch.equal(s["step"], torch.tensor(2.0)) for s in optimizer.state.values())

@@ -308,8 +308,13 @@ class DDPFullyShardedStrategy(DDPStrategy):
         """Gather the full optimizer state on rank 0 (collective); other ranks get ``{}``."""
         if not self._is_wrapped():
             return super().optimizer_state(optimizer)
+        from fsdp_guide.checkpoint_state import _UnmutatedStateDict
+
         assert self.model is not None
-        full = self.model.gather_full_optim_state_dict(unwrap_optimizer(optimizer))  # type: ignore[operator]
+        # FairScale's gather turns the live optimizer's ``step`` tensors into floats in place;
+        # hand it a copy of the per-parameter entries so training can go on after a save.
+        source = _UnmutatedStateDict(unwrap_optimizer(optimizer))
+        full = self.model.gather_full_optim_state_dict(source)  # type: ignore[operator]
         return dict(full) if full is not None and self.is_global_zero else {}
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
