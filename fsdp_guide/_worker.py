@@ -7,7 +7,8 @@ Kept apart from the supervisor so a spawned child imports as little as possible.
 2. sends its stdout and stderr, at the file-descriptor level, into pipes that the
    supervisor reads line by line (C++ warnings from gloo included);
 3. initialises ``torch.distributed``, runs the user's function, destroys the group;
-4. sends back a pickled ``("ok", value)`` or ``("error", text, time)`` message.
+4. sends back a pickled ``("ok", value)``, ``("exit", status, argument, time)`` (it called
+   ``sys.exit``) or ``("error", text, time)`` message.
 """
 
 from __future__ import annotations
@@ -127,9 +128,11 @@ def run_rank(
             fn, rank, world_size, args, kwargs, backend, pg_timeout_s, forked
         )
     except SystemExit as exc:
-        # sys.exit(n) in a rank is reported like a process exit status, not a traceback.
+        # sys.exit(n) in a rank is reported like a process exit status, not a traceback;
+        # sys.exit("message") exits with status 1, and the message goes into the error.
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        payload = pickle.dumps(("exit", code, time.time()))
+        shown = "" if exc.code is None else repr(exc.code)
+        payload = pickle.dumps(("exit", code, shown, time.time()))
     except BaseException as exc:
         payload = _error_payload(_user_traceback(exc))
     else:

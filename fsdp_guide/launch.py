@@ -10,6 +10,7 @@ environment and runs it in the current process.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -116,6 +117,48 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 
+def _master_port() -> int:
+    """The rendezvous port: ``MASTER_PORT`` when set (checked), else a free one."""
+    value = os.environ.get("MASTER_PORT")
+    if not value:
+        return find_free_port()
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise ValueError(
+            f"MASTER_PORT={value!r} is not a TCP port number (1-65535); set it to a free "
+            "port, or unset it so that launch picks one"
+        )
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # Like torch's TCPStore, allow a port a finished run left in TIME_WAIT.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((_MASTER_ADDR, port))
+        except OSError as exc:
+            raise ValueError(
+                f"MASTER_PORT={port} cannot be used on {_MASTER_ADDR} ({exc.strerror}): "
+                "another process holds it. Unset MASTER_PORT so that launch picks a free "
+                "port, or set it to a free one."
+            ) from None
+    return port
+
+
+def _check_timeout(timeout: object) -> float:
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ValueError(
+            f"timeout must be a positive, finite number of seconds, got {timeout!r}; "
+            "for a run without a practical limit pass a large number such as 86400"
+        )
+    return float(timeout)
+
+
 def _check_world_size(world_size: object) -> int:
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -219,7 +262,16 @@ def launch(
 
     Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set) nothing is started:
     ``fn`` runs once in this process on the existing rendezvous, and every rank gets the
-    gathered list. ``world_size`` is then taken from the environment.
+    gathered list. ``world_size`` is then taken from the environment. There, an exception
+    in ``fn`` propagates unchanged on its own rank (no :class:`RankError`); its peers fail
+    in the gather or are stopped by ``torchrun``, which exits non-zero. A rank started by
+    :func:`launch` has the same environment, so ``launch`` called inside ``fn`` behaves the
+    same way: every rank must call it, and it runs in-process on the existing group.
+
+    When every rank has returned, processes they started and left running are stopped, and
+    so is a rank still alive a few seconds after sending its result (a non-daemon thread,
+    say); a line on stderr says so. A line of output longer than a mebibyte is printed in
+    pieces.
 
     Args:
         fn: The training function. With ``start_method="spawn"`` it must be importable
@@ -243,11 +295,13 @@ def launch(
 
     Raises:
         ValueError: Bad ``world_size``, ``backend``, ``start_method`` or ``timeout``; NCCL
-            with too few GPUs. Raised before any process starts.
+            with too few GPUs; ``MASTER_PORT`` not a port number or already in use. Raised
+            before any process starts.
         TypeError: With spawn, a function or argument that cannot be sent to a new process.
         RuntimeError: Fork requested while CUDA is initialised in this process, or a
             process group already initialised here outside ``torchrun``.
-        RankError: A rank raised, exited non-zero or was killed; the others were stopped.
+        RankError: A rank raised, exited non-zero, was killed, or returned a value that
+            cannot be unpickled here; the others were stopped.
         LaunchTimeout: Not every rank finished within ``timeout``; all were stopped.
 
     Examples:
@@ -260,10 +314,9 @@ def launch(
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     kwargs = dict(kwargs or {})
-    if not isinstance(timeout, int | float) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    timeout = _check_timeout(timeout)
     if _under_torchrun():
-        return _run_under_torchrun(fn, tuple(args), kwargs, backend, float(timeout))
+        return _run_under_torchrun(fn, tuple(args), kwargs, backend, timeout)
     world_size = _check_world_size(world_size)
     chosen_backend = resolve_backend(backend, world_size)
     method = _resolve_start_method(start_method)
@@ -280,7 +333,7 @@ def launch(
             "launch starts its own in each rank. Call "
             "torch.distributed.destroy_process_group() first."
         )
-    port = int(os.environ.get("MASTER_PORT") or find_free_port())
+    port = _master_port()
     ctx = mp.get_context(method)
     ranks = _supervisor.start_ranks(
         ctx,
@@ -291,9 +344,9 @@ def launch(
         chosen_backend,
         _MASTER_ADDR,
         port,
-        float(timeout),
+        timeout,
     )
-    return _supervisor.supervise(ranks, float(timeout))
+    return _supervisor.supervise(ranks, timeout)
 
 
 def dist_init(

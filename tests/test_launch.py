@@ -6,9 +6,11 @@ the elapsed time, and (through the autouse fixture in conftest) that no process 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -58,8 +60,10 @@ def test_auto_backend_is_gloo_without_gpus() -> None:
 def test_master_port_from_environment_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
     port = fsdp_guide.find_free_port()
     monkeypatch.setenv("MASTER_PORT", str(port))
-    seen = launch(targets.world_info, 2, backend="gloo", start_method="fork")
-    assert [r["rank"] for r in seen] == [0, 1]
+    # Twice: the first run leaves the port in TIME_WAIT, which must not count as "in use".
+    for _ in range(2):
+        seen = launch(targets.master_port_seen, 2, backend="gloo", start_method="fork")
+        assert seen == [port, port]
 
 
 @pytest.mark.parametrize("start_method", METHODS)
@@ -230,10 +234,40 @@ def test_nccl_with_too_few_gpus_names_both_counts() -> None:
 
 
 @pytest.mark.usefixtures("no_process_may_start")
-@pytest.mark.parametrize("bad", [{"start_method": "forkserver"}, {"timeout": 0}, {"timeout": -3}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"start_method": "forkserver"},
+        {"timeout": 0},
+        {"timeout": -3},
+        {"timeout": float("nan")},
+        {"timeout": float("inf")},
+        {"timeout": True},
+        {"timeout": "60"},
+    ],
+)
 def test_bad_start_method_or_timeout(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="start_method|timeout"):
         launch(targets.world_info, 2, **bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("no_process_may_start")
+@pytest.mark.parametrize("value", ["abc", "0", "70000"])
+def test_master_port_that_is_not_a_port(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("MASTER_PORT", value)
+    with pytest.raises(ValueError, match="is not a TCP port number.*unset it"):
+        launch(targets.world_info, 2, backend="gloo")
+
+
+@pytest.mark.usefixtures("no_process_may_start")
+def test_master_port_in_use_says_unset_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(ValueError, match=rf"MASTER_PORT={port} cannot be used.*Unset"):
+            launch(targets.world_info, 2, backend="gloo")
 
 
 @pytest.mark.usefixtures("no_process_may_start")
@@ -281,21 +315,27 @@ def test_auto_start_method_forks_in_an_interactive_session(monkeypatch: pytest.M
 # --- torchrun: the same function, one process per rank started by torchrun -------------
 
 TORCHRUN_SCRIPT = """
-import json, sys
+import json, os, sys
+from pathlib import Path
 from fsdp_guide import launch
 sys.path.insert(0, {tests!r})
 import launch_targets
 results = launch(launch_targets.world_info, world_size=2, args=("torchrun",))
-print("RESULT " + json.dumps([{{k: r[k] for k in ("rank", "rank_sum", "tag")}} for r in results]))
+rank = int(os.environ["RANK"])
+summary = [{{k: r[k] for k in ("rank", "rank_sum", "tag")}} for r in results]
+# One file per rank: the ranks share torchrun's stdout, where their lines can interleave.
+Path({out!r}, f"rank{{rank}}.json").write_text(json.dumps(summary))
+launch(launch_targets.raise_on, args=(1,))  # rank 1 raises: the run must fail, not hang
 """
 
 
 def test_under_torchrun_runs_in_process_and_every_rank_gets_all_results(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text(TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parent)))
+    script.write_text(TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path)))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     port = fsdp_guide.find_free_port()
+    t0 = time.monotonic()
     proc = subprocess.run(
         [
             sys.executable,
@@ -311,13 +351,18 @@ def test_under_torchrun_runs_in_process_and_every_rank_gets_all_results(tmp_path
         timeout=100,
         env=env,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    expected = (
-        '[{"rank": 0, "rank_sum": 1.0, "tag": "torchrun"}, '
-        '{"rank": 1, "rank_sum": 1.0, "tag": "torchrun"}]'
-    )
-    assert lines == ["RESULT " + expected] * 2
+    expected = [
+        {"rank": 0, "rank_sum": 1.0, "tag": "torchrun"},
+        {"rank": 1, "rank_sum": 1.0, "tag": "torchrun"},
+    ]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, proc.stderr
+    # The second launch fails on rank 1: there the exception propagates unchanged (no
+    # RankError: torchrun, not launch, supervises the ranks) and torchrun exits non-zero.
+    assert proc.returncode != 0
+    assert "ValueError: boom from rank 1" in proc.stderr
+    assert "RankError" not in proc.stderr
+    assert time.monotonic() - t0 < 60
 
 
 def test_dist_init_rejects_a_bad_rank() -> None:
