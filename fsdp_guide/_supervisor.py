@@ -8,7 +8,6 @@ there too, so an interrupted run is always cleaned up.
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import os
 import pickle
@@ -21,9 +20,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
-from typing import Any, TextIO
+from typing import Any
 
 from fsdp_guide import _worker
+from fsdp_guide._output import _emit, _Stream
 from fsdp_guide.errors import LaunchTimeout, RankError
 
 __all__: list[str] = []
@@ -32,25 +32,8 @@ _TERMINATE_GRACE_S = 2.0
 # How long ranks may linger after every one has sent its result (a non-daemon thread or a
 # child process keeps a rank alive) before they are stopped and the results returned.
 _EXIT_GRACE_S = 3.0
-# A line longer than this is printed in pieces, so a rank writing without newlines cannot
-# make the caller buffer without bound.
-_MAX_LINE_CHARS = 1 << 20
 # How long to wait for the rank behind a peer's "connection reset" before stopping everyone.
 _CAUSE_WAIT_S = 0.5
-
-
-def _utf8_decoder() -> codecs.IncrementalDecoder:
-    return codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-
-@dataclass
-class _Stream:
-    rank: int
-    conn: Connection
-    sink: TextIO
-    decoder: codecs.IncrementalDecoder = field(default_factory=_utf8_decoder)
-    pending: list[str] = field(default_factory=list)  # pieces of the unfinished line
-    pending_chars: int = 0
 
 
 @dataclass
@@ -63,34 +46,6 @@ class _Rank:
     value: Any = None
     failure: RankError | None = None
     failed_at: float = 0.0
-
-
-def _emit(stream: _Stream, data: bytes, final: bool = False) -> None:
-    """Print every complete line of ``data`` with the rank prefix; keep the rest pending.
-
-    Only the new data is searched for newlines, so a long line costs linear time; a line
-    longer than ``_MAX_LINE_CHARS`` is printed in pieces of that length.
-    """
-    text = stream.decoder.decode(data, final)
-    lines: list[str] = []
-    if "\n" in text:
-        first, *middle, rest = text.split("\n")
-        lines.append("".join(stream.pending) + first)
-        lines.extend(middle)
-        stream.pending, stream.pending_chars = ([rest] if rest else []), len(rest)
-    elif text:
-        stream.pending.append(text)
-        stream.pending_chars += len(text)
-    if stream.pending_chars >= _MAX_LINE_CHARS or (final and stream.pending):
-        rest = "".join(stream.pending)
-        while len(rest) >= _MAX_LINE_CHARS or (final and rest):
-            lines.append(rest[:_MAX_LINE_CHARS])
-            rest = rest[_MAX_LINE_CHARS:]
-        stream.pending, stream.pending_chars = ([rest] if rest else []), len(rest)
-    if lines:
-        prefix = f"[rank{stream.rank}] "
-        stream.sink.write("".join(f"{prefix}{line}\n" for line in lines))
-        stream.sink.flush()
 
 
 def _exit_failure(rank: int, exitcode: int | None) -> RankError:

@@ -18,7 +18,7 @@ import launch_targets as targets
 import psutil
 import pytest
 
-from fsdp_guide import LaunchTimeout, RankError, _supervisor, launch
+from fsdp_guide import LaunchTimeout, RankError, _output, _supervisor, launch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,7 +70,7 @@ def test_a_rank_alive_after_sending_its_result_is_stopped(
 
 
 def test_huge_lines_are_cut_and_bad_bytes_replaced(capfd: pytest.CaptureFixture[str]) -> None:
-    cap = _supervisor._MAX_LINE_CHARS
+    cap = _output._MAX_LINE_CHARS
     long_chars = 8 * cap + 5
     t0 = time.monotonic()
     launch(targets.write_awkward_output, 2, args=(long_chars,), backend="gloo", start_method="fork")
