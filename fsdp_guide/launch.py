@@ -45,6 +45,12 @@ _MASTER_ADDR = "127.0.0.1"
 def find_free_port(host: str = _MASTER_ADDR) -> int:
     """Return a TCP port on ``host`` that was free a moment ago.
 
+    Args:
+        host: The address to bind to.
+
+    Returns:
+        A port number another process may still take before you bind it.
+
     Examples:
         >>> 1024 <= find_free_port() <= 65535
         True
@@ -312,7 +318,17 @@ def launch(
         [(0, 1.0), (1, 1.0)]
     """
     if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        raise TypeError(
+            f"fn must be callable, got {type(fn).__name__}: pass the function itself, "
+            "launch(train, ...), not the result of calling it, launch(train(...), ...)"
+        )
+    if not isinstance(args, tuple | list):
+        raise TypeError(
+            f"args must be a tuple of extra positional arguments, got {type(args).__name__} "
+            f"{args!r}; for a single argument write args=({args!r},) with the trailing comma"
+        )
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
     kwargs = dict(kwargs or {})
     timeout = _check_timeout(timeout)
     if _under_torchrun():

@@ -16,6 +16,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import launch_targets as targets
 import pytest
@@ -249,6 +250,22 @@ def test_nccl_with_too_few_gpus_names_both_counts() -> None:
 def test_bad_start_method_or_timeout(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="start_method|timeout"):
         launch(targets.world_info, 2, **bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("no_process_may_start")
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        ({"fn": 42}, r"pass the function itself, launch\(train, ...\)"),
+        ({"args": 3}, r"args must be a tuple.*write args=\(3,\) with the trailing comma"),
+        ({"args": "cfg.yaml"}, r"args=\('cfg.yaml',\)"),
+        ({"kwargs": [("scale", 2)]}, "kwargs must be a dict"),
+    ],
+)
+def test_bad_fn_args_or_kwargs_name_the_fix(call: dict[str, Any], match: str) -> None:
+    options = {"fn": targets.world_info, "world_size": 2, "backend": "gloo", **call}
+    with pytest.raises(TypeError, match=match):
+        launch(**options)
 
 
 @pytest.mark.usefixtures("no_process_may_start")
