@@ -14,6 +14,7 @@ import pickle
 import selectors
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,11 @@ from fsdp_guide._output import _emit, _Stream
 from fsdp_guide.errors import LaunchTimeout, RankError
 
 __all__: list[str] = []
+
+# A forked child inherits every file descriptor open in the parent. Launches running in
+# several threads take this lock while they hold descriptors their ranks must not share
+# (the write ends of a rank's pipes, a port-probing socket) and while they fork.
+FD_LOCK = threading.Lock()
 
 _TERMINATE_GRACE_S = 2.0
 # How long ranks may linger after every one has sent its result (a non-daemon thread or a
@@ -117,34 +123,37 @@ def start_ranks(
     ranks: list[_Rank] = []
     try:
         for rank in range(world_size):
-            out_r, out_w = ctx.Pipe(duplex=False)
-            err_r, err_w = ctx.Pipe(duplex=False)
-            res_r, res_w = ctx.Pipe(duplex=False)
-            process = ctx.Process(  # type: ignore[attr-defined]
-                target=_worker.run_rank,
-                args=(
-                    fn,
-                    rank,
-                    world_size,
-                    args,
-                    kwargs,
-                    backend,
-                    master_addr,
-                    master_port,
-                    pg_timeout_s,
-                    out_w,
-                    err_w,
-                    res_w,
-                    ctx.get_start_method() == "fork",
-                ),
-                name=f"fsdp_guide-rank{rank}",
-                daemon=False,
-            )
-            process.start()
-            # Close our copies of the write ends so EOF arrives when the rank exits, and so
-            # ranks forked later do not inherit (and hold open) this rank's pipes.
-            for w in (out_w, err_w, res_w):
-                w.close()
+            # Held while this rank's pipes are open in our process, so that a launch in
+            # another thread does not fork a rank that inherits (and holds open) them.
+            with FD_LOCK:
+                out_r, out_w = ctx.Pipe(duplex=False)
+                err_r, err_w = ctx.Pipe(duplex=False)
+                res_r, res_w = ctx.Pipe(duplex=False)
+                process = ctx.Process(  # type: ignore[attr-defined]
+                    target=_worker.run_rank,
+                    args=(
+                        fn,
+                        rank,
+                        world_size,
+                        args,
+                        kwargs,
+                        backend,
+                        master_addr,
+                        master_port,
+                        pg_timeout_s,
+                        out_w,
+                        err_w,
+                        res_w,
+                        ctx.get_start_method() == "fork",
+                    ),
+                    name=f"fsdp_guide-rank{rank}",
+                    daemon=False,
+                )
+                process.start()
+                # Close our copies of the write ends so EOF arrives when the rank exits, and so
+                # ranks forked later do not inherit (and hold open) this rank's pipes.
+                for w in (out_w, err_w, res_w):
+                    w.close()
             r = _Rank(rank=rank, process=process, result=res_r)
             r.streams = [_Stream(rank, out_r, sys.stdout), _Stream(rank, err_r, sys.stderr)]
             ranks.append(r)

@@ -55,7 +55,9 @@ def find_free_port(host: str = _MASTER_ADDR) -> int:
         >>> 1024 <= find_free_port() <= 65535
         True
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    # Under the lock: a rank forked meanwhile by a launch in another thread would inherit
+    # the socket and keep the port bound, so that this launch's rank 0 could not listen on it.
+    with _supervisor.FD_LOCK, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
@@ -137,7 +139,7 @@ def _master_port() -> int:
             f"MASTER_PORT={value!r} is not a TCP port number (1-65535); set it to a free "
             "port, or unset it so that launch picks one"
         )
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    with _supervisor.FD_LOCK, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         # Like torch's TCPStore, allow a port a finished run left in TIME_WAIT.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

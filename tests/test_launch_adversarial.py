@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 import signal
+import threading
 import time
 import types
 from pathlib import Path
@@ -254,3 +255,24 @@ def test_launch_errors_survive_pickling() -> None:
 def test_launch_inside_a_launched_rank_runs_in_process_on_its_group() -> None:
     results = launch(targets.launch_inside_a_rank, 2, backend="gloo", start_method="fork")
     assert results == [[0, 10], [0, 10]]
+
+
+def test_launches_from_several_threads_at_once_each_get_their_own_results() -> None:
+    results: dict[int, object] = {}
+
+    def run(tag: int) -> None:
+        results[tag] = launch(
+            targets.world_info, 2, args=(f"t{tag}",), backend="gloo", start_method="fork"
+        )
+
+    threads = [threading.Thread(target=run, args=(tag,)) for tag in range(3)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert time.monotonic() - t0 < 30
+    for tag in range(3):
+        got = results[tag]
+        assert isinstance(got, list) and [r["tag"] for r in got] == [f"t{tag}"] * 2
+        assert [r["rank_sum"] for r in got] == [1.0, 1.0]

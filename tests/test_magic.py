@@ -37,7 +37,9 @@ def test_cell_runs_on_every_rank_and_gathers_by_rank(shell: Any) -> None:
     assert result.error_in_exec is None, result.error_in_exec
     assert shell.user_ns["mine"] == [10, 11, 12]
     assert shell.user_ns["total"] == [33.0, 33.0, 33.0]
-    assert "rank" not in shell.user_ns  # the ranks' namespaces do not leak back
+    # the ranks' namespaces do not leak back
+    assert "rank" not in shell.user_ns and "world_size" not in shell.user_ns
+    assert "t" not in shell.user_ns
 
 
 def test_a_failing_rank_fails_the_cell_with_its_traceback(shell: Any) -> None:
