@@ -278,8 +278,8 @@ def launch(
 
     When every rank has returned, processes they started and left running are stopped, and
     so is a rank still alive a few seconds after sending its result (a non-daemon thread,
-    say); a line on stderr says so. A line of output longer than a mebibyte is printed in
-    pieces.
+    say); a line on stderr says so. A line of output longer than ``2**20`` characters is
+    printed in pieces.
 
     Args:
         fn: The training function. With ``start_method="spawn"`` it must be importable
