@@ -172,3 +172,26 @@ def big_result_while_peer_prints(rank: int, world_size: int, numel: int, lines: 
 
 def master_port_seen(rank: int, world_size: int) -> int:
     return int(os.environ["MASTER_PORT"])
+
+
+class ShardLost(Exception):
+    """An exception that refuses to be pickled, like many defined in notebooks."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        raise TypeError("ShardLost cannot be pickled")
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+
+def raise_odd(rank: int, world_size: int, kind: str) -> int:
+    if rank == 1:
+        if kind == "unpicklable":
+            raise ShardLost("shard 3 is gone")
+        if kind == "keyboard":
+            raise KeyboardInterrupt
+        raise Unprintable()
+    dist.barrier()
+    return rank

@@ -235,6 +235,23 @@ def test_pressing_stop_twice_still_kills_a_rank_that_ignores_sigterm() -> None:
     # conftest's fixture fails the test if a rank is still running
 
 
+@pytest.mark.parametrize(
+    ("kind", "shown"),
+    [
+        ("unpicklable", "ShardLost: shard 3 is gone"),
+        ("keyboard", "KeyboardInterrupt"),  # the rank's, not the user's: no KeyboardInterrupt here
+        ("unprintable", "Unprintable: <exception str() failed>"),
+    ],
+)
+def test_odd_exceptions_in_a_rank_arrive_as_text(kind: str, shown: str) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(targets.raise_odd, 2, args=(kind,), backend="gloo", start_method="fork")
+    assert time.monotonic() - t0 < 30
+    assert info.value.rank == 1 and shown in str(info.value)
+    assert "raise_odd" in (info.value.remote_traceback or "")
+
+
 def test_a_value_that_cannot_be_unpickled_here_is_a_rank_error() -> None:
     with pytest.raises(RankError, match="cannot be rebuilt in the launching process") as info:
         launch(targets.return_a_child_only_class, 2, backend="gloo", start_method="fork")
