@@ -121,6 +121,12 @@ def start_ranks(
 ) -> list[_Rank]:
     """Start one process per rank; each gets private pipes for stdout, stderr and its result."""
     ranks: list[_Rank] = []
+    forked = ctx.get_start_method() == "fork"
+    # A spawned rank gets its work pickled by us and unpickles it after redirecting its
+    # output (see _worker.run_rank); a forked rank shares our memory and needs no pickling.
+    job: Callable[..., Any] | bytes = (
+        fn if forked else pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+    )
     try:
         for rank in range(world_size):
             # Held while this rank's pipes are open in our process, so that a launch in
@@ -132,11 +138,11 @@ def start_ranks(
                 process = ctx.Process(  # type: ignore[attr-defined]
                     target=_worker.run_rank,
                     args=(
-                        fn,
+                        job,
                         rank,
                         world_size,
-                        args,
-                        kwargs,
+                        args if forked else (),  # inside ``job`` when spawned
+                        kwargs if forked else {},
                         backend,
                         master_addr,
                         master_port,
@@ -144,7 +150,7 @@ def start_ranks(
                         out_w,
                         err_w,
                         res_w,
-                        ctx.get_start_method() == "fork",
+                        forked,
                     ),
                     name=f"fsdp_guide-rank{rank}",
                     daemon=False,

@@ -195,3 +195,10 @@ def raise_odd(rank: int, world_size: int, kind: str) -> int:
         raise Unprintable()
     dist.barrier()
     return rank
+
+
+def a_module_only_the_launcher_has() -> types.ModuleType:
+    """A module that exists in this process only: a spawned rank cannot import it."""
+    module = types.ModuleType("module_of_the_launcher_only")
+    exec("def train(rank, world_size):\n    return rank\n", module.__dict__)
+    return module

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 import signal
+import sys
 import threading
 import time
 import types
@@ -250,6 +251,19 @@ def test_odd_exceptions_in_a_rank_arrive_as_text(kind: str, shown: str) -> None:
     assert time.monotonic() - t0 < 30
     assert info.value.rank == 1 and shown in str(info.value)
     assert "raise_odd" in (info.value.remote_traceback or "")
+
+
+def test_a_spawned_rank_that_cannot_import_the_function_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It used to die while unpickling, before its output was captured: the caller got only
+    # "exited with status 1" and the reason went to the terminal (or nowhere, in a notebook).
+    module = targets.a_module_only_the_launcher_has()
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with pytest.raises(RankError, match="could not rebuild the function or its arguments") as info:
+        launch(module.train, 2, backend="gloo", start_method="spawn", timeout=60)
+    assert "No module named 'module_of_the_launcher_only'" in str(info.value)
+    assert "start_method='fork'" in str(info.value)
 
 
 def test_a_value_that_cannot_be_unpickled_here_is_a_rank_error() -> None:
