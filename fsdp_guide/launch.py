@@ -242,14 +242,14 @@ def _run_under_torchrun(
         if chosen == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(chosen, timeout=timedelta(seconds=timeout))
-    try:
-        value = fn(rank, world_size, *args, **kwargs)
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, value)
-        return gathered
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
+    value = fn(rank, world_size, *args, **kwargs)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    # Destroyed on success only: after a failure, destroying the group can block this rank
+    # on peers still inside a collective, and it would never exit for torchrun to notice.
+    if created:
+        dist.destroy_process_group()
+    return gathered
 
 
 def launch(
@@ -271,8 +271,9 @@ def launch(
     Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set) nothing is started:
     ``fn`` runs once in this process on the existing rendezvous, and every rank gets the
     gathered list. ``world_size`` is then taken from the environment. There, an exception
-    in ``fn`` propagates unchanged on its own rank (no :class:`RankError`); its peers fail
-    in the gather or are stopped by ``torchrun``, which exits non-zero. A rank started by
+    in ``fn`` propagates unchanged on its own rank (no :class:`RankError`), leaving the
+    process group up (destroying it could block on peers inside a collective); the rank
+    exits, ``torchrun`` stops its peers and exits non-zero. A rank started by
     :func:`launch` has the same environment, so ``launch`` called inside ``fn`` behaves the
     same way: every rank must call it, and it runs in-process on the existing group.
 
