@@ -14,28 +14,32 @@ import pickle
 import selectors
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
-from typing import Any, TextIO
+from typing import Any
 
 from fsdp_guide import _worker
+from fsdp_guide._output import _emit, _Stream
 from fsdp_guide.errors import LaunchTimeout, RankError
 
 __all__: list[str] = []
 
+# A forked child inherits every file descriptor open in the parent. Launches running in
+# several threads take this lock while they hold descriptors their ranks must not share
+# (the write ends of a rank's pipes, a port-probing socket) and while they fork.
+FD_LOCK = threading.Lock()
+
 _TERMINATE_GRACE_S = 2.0
-
-
-@dataclass
-class _Stream:
-    rank: int
-    conn: Connection
-    sink: TextIO
-    pending: bytes = b""
+# How long ranks may linger after every one has sent its result (a non-daemon thread or a
+# child process keeps a rank alive) before they are stopped and the results returned.
+_EXIT_GRACE_S = 3.0
+# How long to wait for the rank behind a peer's "connection reset" before stopping everyone.
+_CAUSE_WAIT_S = 0.5
 
 
 @dataclass
@@ -50,23 +54,12 @@ class _Rank:
     failed_at: float = 0.0
 
 
-def _emit(stream: _Stream, data: bytes, final: bool = False) -> None:
-    """Print every complete line of ``data`` with the rank prefix; keep the rest pending."""
-    buffer = stream.pending + data
-    *lines, stream.pending = buffer.split(b"\n")
-    if final and stream.pending:
-        lines.append(stream.pending)
-        stream.pending = b""
-    if lines:
-        prefix = f"[rank{stream.rank}] "
-        text = "".join(f"{prefix}{line.decode('utf-8', 'replace')}\n" for line in lines)
-        stream.sink.write(text)
-        stream.sink.flush()
-
-
 def _exit_failure(rank: int, exitcode: int | None) -> RankError:
     if exitcode is not None and exitcode < 0:
-        name = signal.Signals(-exitcode).name
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:  # real-time signals have no name in the enum
+            name = f"SIGRTMIN+{-exitcode - signal.SIGRTMIN}"
         return RankError(f"rank {rank} was killed by {name}", rank=rank, signal_name=name)
     return RankError(
         f"rank {rank} exited with status {exitcode} without returning a result",
@@ -91,17 +84,28 @@ def stop_all(ranks: list[_Rank]) -> None:
     """Terminate every rank and its children; escalate to SIGKILL after a short grace."""
     for r in ranks:
         _kill_group(r.process, signal.SIGTERM)
-    deadline = time.monotonic() + _TERMINATE_GRACE_S
-    for r in ranks:
-        r.process.join(max(0.0, deadline - time.monotonic()))
+    try:
+        deadline = time.monotonic() + _TERMINATE_GRACE_S
+        for r in ranks:
+            r.process.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        # A second interrupt (the stop button pressed twice) must not leave ranks running.
+        _kill_all(ranks)
+        raise
+    _kill_all(ranks)
+
+
+def _kill_all(ranks: list[_Rank]) -> None:
+    """SIGKILL every rank's process group, then wait for the ranks themselves."""
     for r in ranks:
         if r.process.exitcode is None:
             _kill_group(r.process, signal.SIGKILL)
-            r.process.join(5.0)
         else:
             # The leader is gone; make sure nothing it started survives.
             with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
                 os.killpg(r.process.pid or 0, signal.SIGKILL)
+    for r in ranks:
+        r.process.join(5.0)
 
 
 def start_ranks(
@@ -117,36 +121,45 @@ def start_ranks(
 ) -> list[_Rank]:
     """Start one process per rank; each gets private pipes for stdout, stderr and its result."""
     ranks: list[_Rank] = []
+    forked = ctx.get_start_method() == "fork"
+    # A spawned rank gets its work pickled by us and unpickles it after redirecting its
+    # output (see _worker.run_rank); a forked rank shares our memory and needs no pickling.
+    job: Callable[..., Any] | bytes = (
+        fn if forked else pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+    )
     try:
         for rank in range(world_size):
-            out_r, out_w = ctx.Pipe(duplex=False)
-            err_r, err_w = ctx.Pipe(duplex=False)
-            res_r, res_w = ctx.Pipe(duplex=False)
-            process = ctx.Process(  # type: ignore[attr-defined]
-                target=_worker.run_rank,
-                args=(
-                    fn,
-                    rank,
-                    world_size,
-                    args,
-                    kwargs,
-                    backend,
-                    master_addr,
-                    master_port,
-                    pg_timeout_s,
-                    out_w,
-                    err_w,
-                    res_w,
-                    ctx.get_start_method() == "fork",
-                ),
-                name=f"fsdp_guide-rank{rank}",
-                daemon=False,
-            )
-            process.start()
-            # Close our copies of the write ends so EOF arrives when the rank exits, and so
-            # ranks forked later do not inherit (and hold open) this rank's pipes.
-            for w in (out_w, err_w, res_w):
-                w.close()
+            # Held while this rank's pipes are open in our process, so that a launch in
+            # another thread does not fork a rank that inherits (and holds open) them.
+            with FD_LOCK:
+                out_r, out_w = ctx.Pipe(duplex=False)
+                err_r, err_w = ctx.Pipe(duplex=False)
+                res_r, res_w = ctx.Pipe(duplex=False)
+                process = ctx.Process(  # type: ignore[attr-defined]
+                    target=_worker.run_rank,
+                    args=(
+                        job,
+                        rank,
+                        world_size,
+                        args if forked else (),  # inside ``job`` when spawned
+                        kwargs if forked else {},
+                        backend,
+                        master_addr,
+                        master_port,
+                        pg_timeout_s,
+                        out_w,
+                        err_w,
+                        res_w,
+                        forked,
+                    ),
+                    name=f"fsdp_guide-rank{rank}",
+                    daemon=False,
+                )
+                process.start()
+                # Close our copies of the write ends so EOF arrives when the rank exits, and so
+                # ranks forked later do not inherit (and hold open) this rank's pipes.
+                for w in (out_w, err_w, res_w):
+                    w.close()
             r = _Rank(rank=rank, process=process, result=res_r)
             r.streams = [_Stream(rank, out_r, sys.stdout), _Stream(rank, err_r, sys.stderr)]
             ranks.append(r)
@@ -158,26 +171,35 @@ def start_ranks(
 
 def _read_result(r: _Rank) -> None:
     try:
-        message = pickle.loads(r.result.recv_bytes())
+        data = r.result.recv_bytes()
     except (EOFError, OSError):
         return  # died before reporting; the exit status tells why
     r.done = True
+    try:
+        message = pickle.loads(data)
+    except Exception as exc:
+        r.failure = RankError(
+            f"the value returned by rank {r.rank} cannot be rebuilt in the launching process "
+            f"({type(exc).__name__}: {exc}). Return plain data (numbers, strings, lists, "
+            "dicts, CPU tensors), or objects of classes this process can import, not of "
+            "classes defined inside the launched function or a %%distributed cell.",
+            rank=r.rank,
+        )
+        r.failed_at = time.time()
+        return
     if message[0] == "ok":
         r.value = message[1]
     elif message[0] == "exit":
-        _, code, failed_at = message
-        if code != 0:
-            r.failure = RankError(
-                f"rank {r.rank} called sys.exit({code})", rank=r.rank, exitcode=code
-            )
-            r.failed_at = failed_at
+        _, code, argument, failed_at = message
+        called = f"rank {r.rank} called sys.exit({argument})"
+        if code == 0:
+            text = f"{called} before returning a result"
+        elif argument == repr(code):
+            text = called
         else:
-            r.failure = RankError(
-                f"rank {r.rank} called sys.exit(0) before returning a result",
-                rank=r.rank,
-                exitcode=0,
-            )
-            r.failed_at = failed_at
+            text = f"{called}: exit status {code}"
+        r.failure = RankError(text, rank=r.rank, exitcode=code)
+        r.failed_at = failed_at
     else:
         _, text, failed_at = message
         last = text.strip().splitlines()[-1] if text.strip() else "an exception"
@@ -198,8 +220,14 @@ def supervise(ranks: list[_Rank], timeout: float) -> list[Any]:
         selector.register(r.result.fileno(), selectors.EVENT_READ, ("result", r, None))
         selector.register(r.process.sentinel, selectors.EVENT_READ, ("exit", r, None))
     deadline = time.monotonic() + timeout
+    all_reported_at: float | None = None
     try:
         while not all(r.done and r.process.exitcode is not None for r in ranks):
+            if all(r.done and r.failure is None for r in ranks):
+                all_reported_at = all_reported_at or time.monotonic()
+                if time.monotonic() - all_reported_at > _EXIT_GRACE_S:
+                    _report_lingering(ranks)
+                    break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 running = [r.rank for r in ranks if r.process.exitcode is None or not r.done]
@@ -225,16 +253,15 @@ def supervise(ranks: list[_Rank], timeout: float) -> list[Any]:
                 else:
                     selector.unregister(key.fd)
                     r.process.join()
-                    if not r.done and r.result.poll():
-                        _read_result(r)
-                    if r.failure is None and (not r.done or r.process.exitcode != 0):
-                        r.done = True
-                        r.failure = _exit_failure(r.rank, r.process.exitcode)
-                        r.failed_at = time.time()
+                    _on_exit(r)
             if any(r.failure is not None for r in ranks):
+                _wait_for_the_cause(ranks)
                 stop_all(ranks)
                 _drain(ranks)
                 raise _root_cause(ranks)
+        # Every rank has reported: stop what is still running in their process groups
+        # (processes a rank started and left behind), then print what is left in the pipes.
+        stop_all(ranks)
         _read_streams_to_eof(selector, time.monotonic() + _TERMINATE_GRACE_S)
     except BaseException:
         stop_all(ranks)
@@ -247,6 +274,44 @@ def supervise(ranks: list[_Rank], timeout: float) -> list[Any]:
             for s in r.streams:
                 s.conn.close()
     return [r.value for r in ranks]
+
+
+def _on_exit(r: _Rank) -> None:
+    """Record how an exited rank ended: its report if it sent one, else its exit status."""
+    if not r.done and r.result.poll():
+        _read_result(r)
+    if r.failure is None and (not r.done or r.process.exitcode != 0):
+        r.done = True
+        r.failure = _exit_failure(r.rank, r.process.exitcode)
+        r.failed_at = time.time()
+
+
+def _wait_for_the_cause(ranks: list[_Rank]) -> None:
+    """Before stopping the ranks, note those that already died on their own.
+
+    A rank that dies without a report (killed, ``os._exit``) breaks its peers' connections;
+    a peer's "connection reset" report can arrive before the death is noticed. When every
+    failure so far is such a report, wait briefly for the rank that caused it.
+    """
+    deadline = time.monotonic() + _CAUSE_WAIT_S
+    while True:
+        for r in ranks:
+            if r.failure is None and r.process.exitcode is not None:
+                _on_exit(r)
+        failures = [r.failure for r in ranks if r.failure is not None]
+        if not all(_lost_a_peer(f) for f in failures) or time.monotonic() >= deadline:
+            return
+        time.sleep(0.02)
+
+
+def _report_lingering(ranks: list[_Rank]) -> None:
+    lingering = [r.rank for r in ranks if r.process.exitcode is None]
+    print(
+        f"fsdp_guide.launch: ranks {lingering} sent their results but were still running "
+        f"{_EXIT_GRACE_S:g} s later (a non-daemon thread or a child process not joined?); "
+        "they were stopped.",
+        file=sys.stderr,
+    )
 
 
 def _read_streams_to_eof(selector: selectors.BaseSelector, deadline: float) -> None:
@@ -269,12 +334,26 @@ def _read_streams_to_eof(selector: selectors.BaseSelector, deadline: float) -> N
             _emit(key.data[2], b"", final=True)
 
 
+# What a rank's collective raises when a peer went away: a consequence, never the cause.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _lost_a_peer(failure: RankError) -> bool:
+    text = (failure.remote_traceback or "").strip()
+    last = text.splitlines()[-1] if text else ""
+    return any(marker in last for marker in _PEER_LOST)
+
+
 def _root_cause(ranks: list[_Rank]) -> RankError:
-    """The failure that happened first: later ones are usually peers losing their connection."""
-    failed = [r for r in ranks if r.failure is not None]
-    first = min(failed, key=lambda r: r.failed_at)
-    assert first.failure is not None
-    return first.failure
+    """The failure that caused the others.
+
+    Peers that merely lost their connection to a failed rank are passed over. A rank that
+    died without a report (killed, ``os._exit``) is only noticed after its peers may already
+    have reported the lost connection, so report times alone would blame a peer.
+    """
+    failed = [(r.failure, r.failed_at) for r in ranks if r.failure is not None]
+    failure, _ = min(failed, key=lambda pair: (_lost_a_peer(pair[0]), pair[1]))
+    return failure
 
 
 def _drain(ranks: list[_Rank]) -> None:

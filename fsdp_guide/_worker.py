@@ -7,7 +7,8 @@ Kept apart from the supervisor so a spawned child imports as little as possible.
 2. sends its stdout and stderr, at the file-descriptor level, into pipes that the
    supervisor reads line by line (C++ warnings from gloo included);
 3. initialises ``torch.distributed``, runs the user's function, destroys the group;
-4. sends back a pickled ``("ok", value)`` or ``("error", text, time)`` message.
+4. sends back a pickled ``("ok", value)``, ``("exit", status, argument, time)`` (it called
+   ``sys.exit``) or ``("error", text, time)`` message.
 """
 
 from __future__ import annotations
@@ -91,8 +92,22 @@ def _run_user_function(
     return value
 
 
+def _rebuild_job(job: bytes) -> tuple[Callable[..., Any], tuple[Any, ...], Mapping[str, Any]]:
+    """Unpickle what a spawned rank runs, here where a failure can be reported."""
+    try:
+        fn, args, kwargs = pickle.loads(job)
+    except Exception as exc:
+        raise RuntimeError(
+            "this spawned rank could not rebuild the function or its arguments "
+            f"({type(exc).__name__}: {exc}). A spawned rank is a fresh interpreter: they "
+            "must be importable there, so define them in a module on sys.path, or use "
+            "start_method='fork'."
+        ) from None
+    return fn, args, kwargs
+
+
 def run_rank(
-    fn: Callable[..., Any],
+    fn: Callable[..., Any] | bytes,
     rank: int,
     world_size: int,
     args: tuple[Any, ...],
@@ -106,7 +121,12 @@ def run_rank(
     result_w: Connection,
     forked: bool,
 ) -> None:
-    """Entry point of one rank; never raises, reports through ``result_w`` instead."""
+    """Entry point of one rank; never raises, reports through ``result_w`` instead.
+
+    ``fn`` is the function itself in a forked rank; in a spawned rank it is the pickled
+    ``(fn, args, kwargs)``, unpickled after the output is redirected so that an import
+    failure reaches the caller as this rank's error instead of dying unseen.
+    """
     with contextlib.suppress(OSError):  # already a group leader
         os.setpgid(0, 0)
     sys.stdout = _redirect_stream(1, stdout_w)
@@ -123,13 +143,17 @@ def run_rank(
         }
     )
     try:
+        if isinstance(fn, bytes):
+            fn, args, kwargs = _rebuild_job(fn)
         value = _run_user_function(
             fn, rank, world_size, args, kwargs, backend, pg_timeout_s, forked
         )
     except SystemExit as exc:
-        # sys.exit(n) in a rank is reported like a process exit status, not a traceback.
+        # sys.exit(n) in a rank is reported like a process exit status, not a traceback;
+        # sys.exit("message") exits with status 1, and the message goes into the error.
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        payload = pickle.dumps(("exit", code, time.time()))
+        shown = "" if exc.code is None else repr(exc.code)
+        payload = pickle.dumps(("exit", code, shown, time.time()))
     except BaseException as exc:
         payload = _error_payload(_user_traceback(exc))
     else:

@@ -7,6 +7,8 @@ took too long (:class:`LaunchTimeout`).
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["LaunchError", "LaunchTimeout", "RankError"]
 
 
@@ -44,6 +46,17 @@ class RankError(LaunchError):
         self.signal_name = signal_name
         self.remote_traceback = remote_traceback
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The keyword-only attributes are not in ``args``: without this, unpickling (a launch
+        # inside a process pool, say) fails with a TypeError instead of giving the error back.
+        attributes = {
+            "rank": self.rank,
+            "exitcode": self.exitcode,
+            "signal_name": self.signal_name,
+            "remote_traceback": self.remote_traceback,
+        }
+        return (_rebuild, (type(self), str(self), attributes))
+
 
 class LaunchTimeout(LaunchError, TimeoutError):
     """Not every rank finished within the launch timeout; all were stopped.
@@ -62,3 +75,10 @@ class LaunchTimeout(LaunchError, TimeoutError):
         super().__init__(message)
         self.ranks = ranks
         self.timeout = timeout
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), {"ranks": self.ranks, "timeout": self.timeout}))
+
+
+def _rebuild(cls: type[LaunchError], message: str, attributes: dict[str, Any]) -> LaunchError:
+    return cls(message, **attributes)

@@ -35,6 +35,19 @@ def hello(rank: int, world_size: int) -> dict[str, object]:
 
     Returns:
         The rank, the backend, the process id and the sum of all ranks.
+
+    Examples:
+        Each rank's lines reach the caller prefixed with its rank:
+
+        >>> import contextlib, io
+        >>> from fsdp_guide import launch
+        >>> with contextlib.redirect_stdout(io.StringIO()) as printed:
+        ...     results = launch(hello, world_size=2, backend="gloo", start_method="fork")
+        >>> [r["rank_sum"] for r in results]
+        [1.0, 1.0]
+        >>> sorted(line.split(" (pid")[0] for line in printed.getvalue().splitlines()
+        ...        if "hello" in line)
+        ['[rank0] hello from rank 0 of 2', '[rank1] hello from rank 1 of 2']
     """
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)

@@ -10,6 +10,7 @@ environment and runs it in the current process.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -44,11 +45,19 @@ _MASTER_ADDR = "127.0.0.1"
 def find_free_port(host: str = _MASTER_ADDR) -> int:
     """Return a TCP port on ``host`` that was free a moment ago.
 
+    Args:
+        host: The address to bind to.
+
+    Returns:
+        A port number another process may still take before you bind it.
+
     Examples:
         >>> 1024 <= find_free_port() <= 65535
         True
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    # Under the lock: a rank forked meanwhile by a launch in another thread would inherit
+    # the socket and keep the port bound, so that this launch's rank 0 could not listen on it.
+    with _supervisor.FD_LOCK, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
@@ -114,6 +123,48 @@ def resolve_backend(backend: str, world_size: int) -> str:
             "GPU(s) visible; use backend='gloo' (CPU) or a smaller world_size"
         )
     return backend
+
+
+def _master_port() -> int:
+    """The rendezvous port: ``MASTER_PORT`` when set (checked), else a free one."""
+    value = os.environ.get("MASTER_PORT")
+    if not value:
+        return find_free_port()
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise ValueError(
+            f"MASTER_PORT={value!r} is not a TCP port number (1-65535); set it to a free "
+            "port, or unset it so that launch picks one"
+        )
+    with _supervisor.FD_LOCK, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # Like torch's TCPStore, allow a port a finished run left in TIME_WAIT.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((_MASTER_ADDR, port))
+        except OSError as exc:
+            raise ValueError(
+                f"MASTER_PORT={port} cannot be used on {_MASTER_ADDR} ({exc.strerror}): "
+                "another process holds it. Unset MASTER_PORT so that launch picks a free "
+                "port, or set it to a free one."
+            ) from None
+    return port
+
+
+def _check_timeout(timeout: object) -> float:
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ValueError(
+            f"timeout must be a positive, finite number of seconds, got {timeout!r}; "
+            "for a run without a practical limit pass a large number such as 86400"
+        )
+    return float(timeout)
 
 
 def _check_world_size(world_size: object) -> int:
@@ -191,14 +242,14 @@ def _run_under_torchrun(
         if chosen == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(chosen, timeout=timedelta(seconds=timeout))
-    try:
-        value = fn(rank, world_size, *args, **kwargs)
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, value)
-        return gathered
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
+    value = fn(rank, world_size, *args, **kwargs)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    # Destroyed on success only: after a failure, destroying the group can block this rank
+    # on peers still inside a collective, and it would never exit for torchrun to notice.
+    if created:
+        dist.destroy_process_group()
+    return gathered
 
 
 def launch(
@@ -219,7 +270,17 @@ def launch(
 
     Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set) nothing is started:
     ``fn`` runs once in this process on the existing rendezvous, and every rank gets the
-    gathered list. ``world_size`` is then taken from the environment.
+    gathered list. ``world_size`` is then taken from the environment. There, an exception
+    in ``fn`` propagates unchanged on its own rank (no :class:`RankError`), leaving the
+    process group up (destroying it could block on peers inside a collective); the rank
+    exits, ``torchrun`` stops its peers and exits non-zero. A rank started by
+    :func:`launch` has the same environment, so ``launch`` called inside ``fn`` behaves the
+    same way: every rank must call it, and it runs in-process on the existing group.
+
+    When every rank has returned, processes they started and left running are stopped, and
+    so is a rank still alive a few seconds after sending its result (a non-daemon thread,
+    say); a line on stderr says so. A line of output longer than ``2**20`` characters is
+    printed in pieces.
 
     Args:
         fn: The training function. With ``start_method="spawn"`` it must be importable
@@ -243,11 +304,13 @@ def launch(
 
     Raises:
         ValueError: Bad ``world_size``, ``backend``, ``start_method`` or ``timeout``; NCCL
-            with too few GPUs. Raised before any process starts.
+            with too few GPUs; ``MASTER_PORT`` not a port number or already in use. Raised
+            before any process starts.
         TypeError: With spawn, a function or argument that cannot be sent to a new process.
         RuntimeError: Fork requested while CUDA is initialised in this process, or a
             process group already initialised here outside ``torchrun``.
-        RankError: A rank raised, exited non-zero or was killed; the others were stopped.
+        RankError: A rank raised, exited non-zero, was killed, or returned a value that
+            cannot be unpickled here; the others were stopped.
         LaunchTimeout: Not every rank finished within ``timeout``; all were stopped.
 
     Examples:
@@ -258,12 +321,21 @@ def launch(
         [(0, 1.0), (1, 1.0)]
     """
     if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        raise TypeError(
+            f"fn must be callable, got {type(fn).__name__}: pass the function itself, "
+            "launch(train, ...), not the result of calling it, launch(train(...), ...)"
+        )
+    if not isinstance(args, tuple | list):
+        raise TypeError(
+            f"args must be a tuple of extra positional arguments, got {type(args).__name__} "
+            f"{args!r}; for a single argument write args=({args!r},) with the trailing comma"
+        )
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
     kwargs = dict(kwargs or {})
-    if not isinstance(timeout, int | float) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    timeout = _check_timeout(timeout)
     if _under_torchrun():
-        return _run_under_torchrun(fn, tuple(args), kwargs, backend, float(timeout))
+        return _run_under_torchrun(fn, tuple(args), kwargs, backend, timeout)
     world_size = _check_world_size(world_size)
     chosen_backend = resolve_backend(backend, world_size)
     method = _resolve_start_method(start_method)
@@ -280,7 +352,7 @@ def launch(
             "launch starts its own in each rank. Call "
             "torch.distributed.destroy_process_group() first."
         )
-    port = int(os.environ.get("MASTER_PORT") or find_free_port())
+    port = _master_port()
     ctx = mp.get_context(method)
     ranks = _supervisor.start_ranks(
         ctx,
@@ -291,9 +363,9 @@ def launch(
         chosen_backend,
         _MASTER_ADDR,
         port,
-        float(timeout),
+        timeout,
     )
-    return _supervisor.supervise(ranks, float(timeout))
+    return _supervisor.supervise(ranks, timeout)
 
 
 def dist_init(

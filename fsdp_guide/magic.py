@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import linecache
+import pickle
 import shlex
 from typing import Any
 
 from IPython.core.magic import Magics, cell_magic, magics_class
 
-from fsdp_guide.errors import LaunchError
+from fsdp_guide.errors import LaunchError, RankError
 from fsdp_guide.launch import launch
 
 __all__ = ["DistributedMagics", "parse_magic_line", "run_cell_on_ranks"]
@@ -73,9 +74,12 @@ def _usage(parser: argparse.ArgumentParser) -> str:
     return parser.format_usage().replace("usage: ", "").strip()
 
 
+_PLAIN_DATA = "numbers, strings, lists, dicts, CPU tensors"
+
+
 def _run_cell(
     rank: int, world_size: int, code: Any, namespace: dict[str, Any], gather: list[str]
-) -> dict[str, Any]:
+) -> dict[str, bytes]:
     # We are in a forked child: editing the copied namespace cannot affect the notebook.
     namespace["rank"] = rank
     namespace["world_size"] = world_size
@@ -83,7 +87,30 @@ def _run_cell(
     missing = [name for name in gather if name not in namespace]
     if missing:
         raise NameError(f"--gather: the cell did not define {', '.join(missing)} on rank {rank}")
-    return {name: namespace[name] for name in gather}
+    # Pickled one by one here, so that a value that cannot travel is named.
+    gathered = {}
+    for name in gather:
+        try:
+            gathered[name] = pickle.dumps(namespace[name], protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise TypeError(
+                f"--gather {name}: its value on rank {rank} cannot be pickled "
+                f"({type(exc).__name__}: {exc}); gather plain data ({_PLAIN_DATA})"
+            ) from None
+    return gathered
+
+
+def _unpickle_gathered(name: str, rank: int, data: bytes) -> Any:
+    try:
+        return pickle.loads(data)
+    except Exception as exc:
+        raise RankError(
+            f"--gather {name}: the value from rank {rank} cannot be rebuilt in the notebook "
+            f"({type(exc).__name__}: {exc}). A class defined inside the %%distributed cell "
+            "exists only on the ranks: define it in an ordinary cell run before, or gather "
+            f"plain data ({_PLAIN_DATA}).",
+            rank=rank,
+        ) from None
 
 
 def run_cell_on_ranks(
@@ -112,7 +139,12 @@ def run_cell_on_ranks(
 
     Raises:
         SyntaxError: The cell does not compile (raised before any rank starts).
-        fsdp_guide.RankError: A rank failed; its traceback is in the message.
+        fsdp_guide.RankError: A rank failed (its traceback is in the message), or a gathered
+            value cannot be pickled on its rank or rebuilt here (the message names it).
+
+    Examples:
+        >>> run_cell_on_ranks("x = rank * 10", {}, world_size=2, backend="gloo", gather=["x"])
+        {'x': [0, 10]}
     """
     global _cell_counter
     _cell_counter += 1
@@ -128,7 +160,10 @@ def run_cell_on_ranks(
         timeout=timeout,
         start_method="fork",
     )
-    return {name: [r[name] for r in results] for name in names}
+    return {
+        name: [_unpickle_gathered(name, rank, r[name]) for rank, r in enumerate(results)]
+        for name in names
+    }
 
 
 @magics_class

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
+import types
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -101,3 +105,100 @@ def matmul_checksum(rank: int, world_size: int) -> float:
     big = torch.zeros(10**7)
     big.add_(1)  # large enough for an OpenMP parallel region
     return float((a @ a).sum()) + float(big[0]) - 1.0
+
+
+def leave_a_process_running(rank: int, world_size: int, pid_dir: str) -> int:
+    """Start a process that outlives the rank and keeps the rank's stdout pipe open."""
+    child = subprocess.Popen(["sleep", "60"])
+    Path(pid_dir, f"rank{rank}.pid").write_text(str(child.pid))
+    return rank
+
+
+def linger_after_result(rank: int, world_size: int, seconds: float) -> int:
+    """Return at once, but leave a non-daemon thread that keeps the process alive."""
+    threading.Thread(target=time.sleep, args=(seconds,), daemon=False).start()
+    return rank
+
+
+def write_awkward_output(rank: int, world_size: int, long_chars: int) -> int:
+    """Rank 0: one huge line; others: a character split across writes and invalid UTF-8."""
+    if rank == 0:
+        sys.stdout.write("a" * long_chars)
+        sys.stdout.write("\nend\n")
+    else:
+        os.write(1, b"euro \xe2\x82")
+        os.write(1, b"\xac and a bad \xff byte\n")
+    return rank
+
+
+def kill_self_with(rank: int, world_size: int, bad_rank: int, signum: int) -> int:
+    if rank == bad_rank:
+        os.kill(os.getpid(), signum)
+    dist.barrier()
+    return rank
+
+
+def ignore_sigterm_and_sleep(rank: int, world_size: int, seconds: float) -> int:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(seconds)
+    return rank
+
+
+def return_a_child_only_class(rank: int, world_size: int) -> object:
+    """An object of a class whose module exists in the rank only (like a class of a cell)."""
+    module = types.ModuleType("module_of_the_rank_only")
+    exec("class Shard:\n    pass\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    return module.Shard()
+
+
+def times_ten(rank: int, world_size: int) -> int:
+    return rank * 10
+
+
+def launch_inside_a_rank(rank: int, world_size: int) -> list[object]:
+    from fsdp_guide import launch
+
+    return launch(times_ten, world_size=99)  # the rank's environment says 2 ranks
+
+
+def big_result_while_peer_prints(rank: int, world_size: int, numel: int, lines: int) -> object:
+    if rank == 0:
+        return torch.full((numel,), 7, dtype=torch.uint8)
+    for i in range(lines):
+        print(f"rank {rank} line {i}")
+    return rank
+
+
+def master_port_seen(rank: int, world_size: int) -> int:
+    return int(os.environ["MASTER_PORT"])
+
+
+class ShardLost(Exception):
+    """An exception that refuses to be pickled, like many defined in notebooks."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        raise TypeError("ShardLost cannot be pickled")
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+
+def raise_odd(rank: int, world_size: int, kind: str) -> int:
+    if rank == 1:
+        if kind == "unpicklable":
+            raise ShardLost("shard 3 is gone")
+        if kind == "keyboard":
+            raise KeyboardInterrupt
+        raise Unprintable()
+    dist.barrier()
+    return rank
+
+
+def a_module_only_the_launcher_has() -> types.ModuleType:
+    """A module that exists in this process only: a spawned rank cannot import it."""
+    module = types.ModuleType("module_of_the_launcher_only")
+    exec("def train(rank, world_size):\n    return rank\n", module.__dict__)
+    return module

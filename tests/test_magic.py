@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
+import fsdp_guide
 from fsdp_guide import RankError
 from fsdp_guide.magic import parse_magic_line
 
@@ -36,7 +37,9 @@ def test_cell_runs_on_every_rank_and_gathers_by_rank(shell: Any) -> None:
     assert result.error_in_exec is None, result.error_in_exec
     assert shell.user_ns["mine"] == [10, 11, 12]
     assert shell.user_ns["total"] == [33.0, 33.0, 33.0]
-    assert "rank" not in shell.user_ns  # the ranks' namespaces do not leak back
+    # the ranks' namespaces do not leak back
+    assert "rank" not in shell.user_ns and "world_size" not in shell.user_ns
+    assert "t" not in shell.user_ns
 
 
 def test_a_failing_rank_fails_the_cell_with_its_traceback(shell: Any) -> None:
@@ -77,3 +80,39 @@ def test_bad_world_size_fails_the_cell_before_starting(shell: Any) -> None:
     result = shell.run_cell("%%distributed --world-size 0\nx = 1\n")
     assert isinstance(result.error_in_exec, ValueError)
     assert "world_size must be >= 1" in str(result.error_in_exec)
+
+
+def test_gathering_an_unpicklable_value_names_the_variable(shell: Any) -> None:
+    result = shell.run_cell(
+        "%%distributed --world-size 2 --backend gloo --gather ok fn\nok = rank\nfn = lambda: rank\n"
+    )
+    err = result.error_in_exec
+    assert isinstance(err, RankError)
+    assert "--gather fn: its value on rank" in str(err) and "cannot be pickled" in str(err)
+    assert "ok" not in shell.user_ns and "fn" not in shell.user_ns
+
+
+def test_gathering_an_object_of_a_class_defined_in_the_cell_says_where_to_define_it(
+    shell: Any,
+) -> None:
+    result = shell.run_cell(
+        "%%distributed --world-size 2 --backend gloo --gather shard\n"
+        "class Shard:\n    pass\n"
+        "shard = Shard()\n"
+    )
+    err = result.error_in_exec
+    assert isinstance(err, RankError) and err.rank == 0
+    assert "--gather shard: the value from rank 0 cannot be rebuilt in the notebook" in str(err)
+    assert "define it in an ordinary cell" in str(err)
+
+
+def test_a_cell_with_a_syntax_error_fails_before_any_rank_starts(
+    shell: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("ranks were started for a cell that does not compile")
+
+    monkeypatch.setattr(fsdp_guide._supervisor, "start_ranks", refuse)
+    result = shell.run_cell("%%distributed --world-size 2\nx = (\n")
+    assert isinstance(result.error_in_exec, SyntaxError)
+    assert "was never closed" in str(result.error_in_exec)
