@@ -13,6 +13,7 @@ import os
 import pickle
 import selectors
 import signal
+import socket
 import sys
 import threading
 import time
@@ -108,6 +109,25 @@ def _kill_all(ranks: list[_Rank]) -> None:
         r.process.join(5.0)
 
 
+def _listen(address: str) -> socket.socket:
+    """A listening TCP socket on a free port of ``address``, for rank 0's store."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, 0))
+    sock.listen(128)
+    return sock
+
+
+def _dump_stacks(ranks: list[_Rank], grace_s: float = 1.0) -> None:
+    """Ask ranks still running to print their Python stacks (faulthandler on SIGUSR1)."""
+    running = [r for r in ranks if r.process.exitcode is None and r.process.pid is not None]
+    for r in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(r.process.pid, signal.SIGUSR1)  # type: ignore[arg-type]
+    if running:
+        time.sleep(grace_s)  # let the dumps reach the pipes; _drain prints them
+
+
 def start_ranks(
     ctx: BaseContext,
     fn: Callable[..., Any],
@@ -116,10 +136,15 @@ def start_ranks(
     kwargs: Mapping[str, Any],
     backend: str,
     master_addr: str,
-    master_port: int,
+    master_port: int | None,
     pg_timeout_s: float,
 ) -> list[_Rank]:
-    """Start one process per rank; each gets private pipes for stdout, stderr and its result."""
+    """Start one process per rank; each gets private pipes for stdout, stderr and its result.
+
+    With ``master_port=None`` we bind a free port and hand the listening socket to rank 0,
+    which serves the rendezvous store on it: picking a free port and binding it later would
+    leave a window in which another process can take it.
+    """
     ranks: list[_Rank] = []
     forked = ctx.get_start_method() == "fork"
     # A spawned rank gets its work pickled by us and unpickles it after redirecting its
@@ -132,6 +157,11 @@ def start_ranks(
             # Held while this rank's pipes are open in our process, so that a launch in
             # another thread does not fork a rank that inherits (and holds open) them.
             with FD_LOCK:
+                listener = None
+                if rank == 0 and master_port is None:
+                    listener = _listen(master_addr)
+                    master_port = int(listener.getsockname()[1])
+                assert master_port is not None
                 out_r, out_w = ctx.Pipe(duplex=False)
                 err_r, err_w = ctx.Pipe(duplex=False)
                 res_r, res_w = ctx.Pipe(duplex=False)
@@ -151,6 +181,7 @@ def start_ranks(
                         err_w,
                         res_w,
                         forked,
+                        listener,
                     ),
                     name=f"fsdp_guide-rank{rank}",
                     daemon=False,
@@ -160,6 +191,8 @@ def start_ranks(
                 # ranks forked later do not inherit (and hold open) this rank's pipes.
                 for w in (out_w, err_w, res_w):
                     w.close()
+                if listener is not None:
+                    listener.close()  # rank 0 has its own copy now
             r = _Rank(rank=rank, process=process, result=res_r)
             r.streams = [_Stream(rank, out_r, sys.stdout), _Stream(rank, err_r, sys.stderr)]
             ranks.append(r)
@@ -231,10 +264,12 @@ def supervise(ranks: list[_Rank], timeout: float) -> list[Any]:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 running = [r.rank for r in ranks if r.process.exitcode is None or not r.done]
+                _dump_stacks(ranks)
                 raise LaunchTimeout(
                     f"ranks {running} still running after {timeout:g} s; all ranks were "
-                    "stopped. Raise `timeout=` if the work is just slow, or look for a rank "
-                    "that skipped a collective the others entered.",
+                    "stopped (their stacks at that moment are printed above). Raise "
+                    "`timeout=` if the work is just slow, or look for a rank that skipped a "
+                    "collective the others entered.",
                     ranks=running,
                     timeout=timeout,
                 )

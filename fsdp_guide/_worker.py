@@ -14,9 +14,12 @@ Kept apart from the supervisor so a spawned child imports as little as possible.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
 import os
 import pickle
+import signal
+import socket
 import sys
 import time
 import traceback
@@ -66,6 +69,7 @@ def _run_user_function(
     backend: str,
     pg_timeout_s: float,
     forked: bool,
+    listener: socket.socket | None,
 ) -> Any:
     import torch
     import torch.distributed as dist
@@ -79,13 +83,24 @@ def _run_user_function(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend,
-        init_method="env://",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=pg_timeout_s),
-    )
+    timeout = timedelta(seconds=pg_timeout_s)
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if listener is not None:
+        # Rank 0 serves the store on the socket the launcher bound and kept open: no other
+        # process can take the port between choosing it and listening on it.
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            address,
+            port,
+            world_size,
+            is_master=True,
+            master_listen_fd=listener.fileno(),
+            timeout=timeout,
+        )
+    else:
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            address, port, world_size, is_master=rank == 0, timeout=timeout
+        )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     value = fn(rank, world_size, *args, **kwargs)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -120,6 +135,7 @@ def run_rank(
     stderr_w: Connection,
     result_w: Connection,
     forked: bool,
+    listener: socket.socket | None = None,
 ) -> None:
     """Entry point of one rank; never raises, reports through ``result_w`` instead.
 
@@ -131,6 +147,9 @@ def run_rank(
         os.setpgid(0, 0)
     sys.stdout = _redirect_stream(1, stdout_w)
     sys.stderr = _redirect_stream(2, stderr_w)
+    # On timeout the launcher sends SIGUSR1 first: every thread's stack then shows where
+    # this rank is stuck (usually a collective that another rank never entered).
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
     os.environ.update(
         {
@@ -146,7 +165,7 @@ def run_rank(
         if isinstance(fn, bytes):
             fn, args, kwargs = _rebuild_job(fn)
         value = _run_user_function(
-            fn, rank, world_size, args, kwargs, backend, pg_timeout_s, forked
+            fn, rank, world_size, args, kwargs, backend, pg_timeout_s, forked, listener
         )
     except SystemExit as exc:
         # sys.exit(n) in a rank is reported like a process exit status, not a traceback;

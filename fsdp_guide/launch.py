@@ -125,11 +125,11 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 
-def _master_port() -> int:
-    """The rendezvous port: ``MASTER_PORT`` when set (checked), else a free one."""
+def _master_port() -> int | None:
+    """``MASTER_PORT`` when set (checked); ``None``: rank 0 serves on a socket we bind."""
     value = os.environ.get("MASTER_PORT")
     if not value:
-        return find_free_port()
+        return None
     try:
         port = int(value)
     except ValueError:
@@ -311,7 +311,7 @@ def launch(
             process group already initialised here outside ``torchrun``.
         RankError: A rank raised, exited non-zero, was killed, or returned a value that
             cannot be unpickled here; the others were stopped.
-        LaunchTimeout: Not every rank finished within ``timeout``; all were stopped.
+        LaunchTimeout: Not every rank finished in time; their stacks were printed, all stopped.
 
     Examples:
         ``rank_and_sum`` all-reduces ``1 / world_size`` and returns its rank and the sum:

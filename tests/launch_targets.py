@@ -202,3 +202,12 @@ def a_module_only_the_launcher_has() -> types.ModuleType:
     module = types.ModuleType("module_of_the_launcher_only")
     exec("def train(rank, world_size):\n    return rank\n", module.__dict__)
     return module
+
+
+def stuck_in_all_reduce(rank: int, world_size: int) -> int:
+    """Rank 0 never enters the collective that the other ranks wait in."""
+    if rank == 0:
+        time.sleep(120)
+    else:
+        dist.all_reduce(torch.ones(1))
+    return rank

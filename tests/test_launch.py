@@ -419,3 +419,30 @@ def test_fork_after_the_parent_used_torch_threads_does_not_hang(world_size: int)
     expected = [targets.matmul_checksum(r, world_size) for r in range(world_size)]
     # Ranks use fewer threads than the parent, so sums are reordered: compare with a tolerance.
     assert results == pytest.approx(expected, rel=1e-5)
+
+
+def test_timeout_prints_where_each_running_rank_is_stuck(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(LaunchTimeout, match="their stacks at that moment are printed above"):
+        launch(targets.stuck_in_all_reduce, 2, backend="gloo", start_method="fork", timeout=3.0)
+    err = capfd.readouterr().err
+    # faulthandler's dump, relayed line by line with each rank's prefix.
+    for rank, frame in ((0, "stuck_in_all_reduce"), (1, "all_reduce")):
+        lines = [line for line in err.splitlines() if line.startswith(f"[rank{rank}] ")]
+        assert any("most recent call first" in line for line in lines), err[-2000:]
+        assert any(frame in line for line in lines), err[-2000:]
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_rendezvous_port_is_bound_by_us_not_probed(
+    monkeypatch: pytest.MonkeyPatch, start_method: str
+) -> None:
+    # Probing a free port and binding it later leaves a window for another process to take
+    # it; the launcher binds the port itself and hands the listening socket to rank 0.
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+
+    def no_probe(*args: object, **kwargs: object) -> int:
+        raise AssertionError("launch probed for a free port")
+
+    monkeypatch.setattr(sys.modules["fsdp_guide.launch"], "find_free_port", no_probe)
+    results = launch(targets.world_info, 2, backend="gloo", start_method=start_method)  # type: ignore[arg-type]
+    assert [r["rank_sum"] for r in results] == [1.0, 1.0]
