@@ -150,6 +150,7 @@ def run_rank(
     # On timeout the launcher sends SIGUSR1 first: every thread's stack then shows where
     # this rank is stuck (usually a collective that another rank never entered).
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a crash shows its stack
 
     os.environ.update(
         {

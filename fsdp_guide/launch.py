@@ -293,6 +293,10 @@ def launch(
         start_method: ``"auto"`` (fork in a notebook or interactive prompt, else spawn),
             ``"fork"`` or ``"spawn"``.
 
+    Launch from one thread at a time: forking while other threads of a long-lived process
+    are launching too has crashed children inside ``os.fork`` itself (seen in a test
+    suite, not in this package's code).
+
     Forked ranks run torch's CPU operators on one thread: GNU OpenMP, which CPU builds of
     torch use, deadlocks in a forked child that asks for more threads once the parent has
     used its pool. Spawned ranks share the cores (``cpu_count // world_size`` threads each,
