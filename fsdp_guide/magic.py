@@ -19,6 +19,7 @@ import pickle
 import shlex
 from typing import Any
 
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, magics_class
 
 from fsdp_guide.errors import LaunchError, RankError
@@ -168,9 +169,19 @@ def run_cell_on_ranks(
 
 @magics_class
 class DistributedMagics(Magics):
-    """IPython magics of fsdp-guide; registered by ``%load_ext fsdp_guide``."""
+    """IPython magics of fsdp-guide; registered by ``%load_ext fsdp_guide``.
 
-    @cell_magic  # type: ignore[untyped-decorator]
+    Args:
+        shell: The IPython shell the magics run in (``get_ipython()``).
+    """
+
+    # Our own constructor, so that its documented signature names a class importable at run
+    # time: IPython's ``Magics.__init__`` annotates ``shell`` with a name it imports only
+    # under ``TYPE_CHECKING``, which the API docs cannot resolve.
+    def __init__(self, shell: InteractiveShell | None = None) -> None:
+        super().__init__(shell=shell)
+
+    @cell_magic
     def distributed(self, line: str, cell: str) -> None:
         """%%distributed [--world-size N] [--backend B] [--timeout S] [--gather NAME ...]."""
         __tracebackhide__ = True  # IPython: the rank's traceback is in the message
