@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_guide.errors import LaunchError, LaunchTimeout, RankError
-from fsdp_guide.launch import dist_init, find_free_port, launch
+from fsdp_guide.launcher import dist_init, find_free_port, launch
 from fsdp_guide.memory import (
     ModelState,
     PeakMemory,
@@ -55,6 +55,6 @@ __all__ = [
 
 def load_ipython_extension(ipython: Any) -> None:
     """Register the ``%%distributed`` cell magic (called by ``%load_ext fsdp_guide``)."""
-    from fsdp_guide.magic import DistributedMagics
+    from fsdp_guide.launcher.magic import DistributedMagics
 
     ipython.register_magics(DistributedMagics)

@@ -1,15 +1,23 @@
-"""Errors raised by :func:`fsdp_guide.launch`.
+"""Every error class of fsdp-guide, in one place.
 
-They form a small hierarchy so callers can catch every launch failure at once
-(:class:`LaunchError`) or tell a failing rank (:class:`RankError`) from a run that
-took too long (:class:`LaunchTimeout`).
+Each keeps a built-in base, so ``except ValueError`` or ``except RuntimeError`` still catches
+it. Launch failures form a small hierarchy: catch them all (:class:`LaunchError`) or tell a
+failing rank (:class:`RankError`) from a run that took too long (:class:`LaunchTimeout`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LaunchError", "LaunchTimeout", "RankError"]
+__all__ = [
+    "CheckpointError",
+    "CommandError",
+    "EngineUnavailableError",
+    "LaunchError",
+    "LaunchTimeout",
+    "OptimizerMismatchError",
+    "RankError",
+]
 
 
 class LaunchError(RuntimeError):
@@ -82,3 +90,24 @@ class LaunchTimeout(LaunchError, TimeoutError):
 
 def _rebuild(cls: type[LaunchError], message: str, attributes: dict[str, Any]) -> LaunchError:
     return cls(message, **attributes)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read as asked; the message says why and what to do.
+
+    Examples:
+        >>> isinstance(CheckpointError("missing shard"), RuntimeError)
+        True
+    """
+
+
+class OptimizerMismatchError(ValueError):
+    """The optimizer does not hold the parameters of the (wrapped) model it should train."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot run on this machine (FairScale's FSDP without CUDA)."""
+
+
+class CommandError(Exception):
+    """Bad input found while running a command: printed as one line, exit status 2."""

@@ -10,7 +10,7 @@ import torch
 from checkpoint_helpers import build, clone, count_tensors, differences, snapshot, train
 
 from fsdp_guide import checkpoint, launch
-from fsdp_guide.checkpoint_state import gather_full_fsdp_state, get_full_state
+from fsdp_guide.checkpoint._state import gather_full_fsdp_state, get_full_state
 
 
 def save_then_read_optimizer_on_each_rank(
@@ -103,7 +103,7 @@ def steps_to_floats(state: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("protected", [True, False])
 def test_fairscale_gather_cannot_break_the_live_optimizer(protected: bool) -> None:
-    from fsdp_guide.checkpoint_state import _UnmutatedStateDict
+    from fsdp_guide.checkpoint._state import _UnmutatedStateDict
 
     layer, optimizer = adamw_after_one_step()
     source: Any = _UnmutatedStateDict(optimizer) if protected else optimizer

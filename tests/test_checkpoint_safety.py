@@ -12,8 +12,10 @@ import torch
 from checkpoint_helpers import CONFIG, build, differences, snapshot, train
 from torch import nn
 
-from fsdp_guide import RankError, checkpoint, checkpoint_io, launch
+from fsdp_guide import RankError, checkpoint, launch
 from fsdp_guide.checkpoint import CheckpointError
+from fsdp_guide.checkpoint import _api as checkpoint_api
+from fsdp_guide.checkpoint import _io as checkpoint_io
 from fsdp_guide.models import MLP, TinyTransformer, TransformerConfig
 
 
@@ -42,7 +44,7 @@ def trained_module() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def fake_full_file(path: Path, model_state: Any) -> None:
     payload = {
-        "format": checkpoint.FULL_FORMAT,
+        "format": checkpoint_api.FULL_FORMAT,
         "version": 1,
         "strategy": "module",
         "world_size": 1,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_guide import launch
-from fsdp_guide.compare_runs import train_and_measure
+from fsdp_guide.compare._runs import train_and_measure
 
 
 @pytest.mark.timeout(180)

@@ -333,7 +333,7 @@ def _documented_at(site: Path, module_name: str, name: str) -> str | None:
 def test_every_public_name_is_in_the_api_reference(site: Path) -> None:
     missing = []
     modules = _public_modules()
-    assert {"fsdp_guide", "fsdp_guide.launch", "fsdp_guide.models"} <= set(modules)
+    assert {"fsdp_guide", "fsdp_guide.launcher", "fsdp_guide.models"} <= set(modules)
     for module_name in modules:
         if not (site / "api" / f"{module_name}.html").exists():
             missing.append(f"{module_name}: no API page")
@@ -584,7 +584,7 @@ def test_cli_help_renders_every_sub_command() -> None:
         ("Ellipsis", None, True),  # a builtin
         ("Tensor", "fsdp_guide.models", True),  # imported there from torch
         ("RankError", "fsdp_guide.models", False),  # ours, but not reachable from there
-        ("RankErorr", "fsdp_guide.launch", False),  # a typo must stay a broken reference
+        ("RankErorr", "fsdp_guide.launcher", False),  # a typo must stay a broken reference
         ("fsdp_guide.nothing", None, False),
     ],
 )

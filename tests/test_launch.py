@@ -209,7 +209,7 @@ def no_process_may_start(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a process was started before the input was checked")
 
-    monkeypatch.setattr(fsdp_guide._supervisor, "start_ranks", refuse)
+    monkeypatch.setattr(fsdp_guide.launcher._supervisor, "start_ranks", refuse)
 
 
 @pytest.mark.usefixtures("no_process_may_start")
@@ -321,8 +321,7 @@ def test_spawn_refuses_unpicklable_arguments() -> None:
 
 def test_auto_start_method_forks_in_an_interactive_session(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
-    assert fsdp_guide.launch.__module__ == "fsdp_guide.launch"
-    from fsdp_guide.launch import _resolve_start_method
+    from fsdp_guide.launcher._launch import _resolve_start_method
 
     assert _resolve_start_method("auto") == "fork"
     monkeypatch.delattr(sys, "ps1")
@@ -443,6 +442,6 @@ def test_rendezvous_port_is_bound_by_us_not_probed(
     def no_probe(*args: object, **kwargs: object) -> int:
         raise AssertionError("launch probed for a free port")
 
-    monkeypatch.setattr(sys.modules["fsdp_guide.launch"], "find_free_port", no_probe)
+    monkeypatch.setattr(sys.modules["fsdp_guide.launcher._launch"], "find_free_port", no_probe)
     results = launch(targets.world_info, 2, backend="gloo", start_method=start_method)  # type: ignore[arg-type]
     assert [r["rank_sum"] for r in results] == [1.0, 1.0]

@@ -10,7 +10,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 import fsdp_guide
 from fsdp_guide import RankError
-from fsdp_guide.magic import parse_magic_line
+from fsdp_guide.launcher.magic import parse_magic_line
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -112,7 +112,7 @@ def test_a_cell_with_a_syntax_error_fails_before_any_rank_starts(
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("ranks were started for a cell that does not compile")
 
-    monkeypatch.setattr(fsdp_guide._supervisor, "start_ranks", refuse)
+    monkeypatch.setattr(fsdp_guide.launcher._supervisor, "start_ranks", refuse)
     result = shell.run_cell("%%distributed --world-size 2\nx = (\n")
     assert isinstance(result.error_in_exec, SyntaxError)
     assert "was never closed" in str(result.error_in_exec)

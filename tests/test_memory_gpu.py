@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_guide.compare_runs import run_comparison, train_and_measure
-from fsdp_guide.launch import launch
+from fsdp_guide.compare._runs import run_comparison, train_and_measure
+from fsdp_guide.launcher import launch
 from fsdp_guide.models import build_model, count_params
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

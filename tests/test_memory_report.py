@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_guide.compare_strategies import STRATEGIES, check_strategies
-from fsdp_guide.memory import ModelState
-from fsdp_guide.memory_report import ComparisonRow, comparison_table, plot_comparison, rows_as_json
+from fsdp_guide.compare._strategies import STRATEGIES, check_strategies
+from fsdp_guide.memory import (
+    ComparisonRow,
+    ModelState,
+    comparison_table,
+    plot_comparison,
+    rows_as_json,
+)
 
 
 def _rows() -> list[ComparisonRow]:

@@ -179,7 +179,7 @@ def test_core_install_pulls_no_docs_or_test_tooling() -> None:
 
 def test_magic_constructor_annotations_resolve_at_run_time() -> None:
     """The API docs resolve the constructor's annotations; IPython's own name one it hides."""
-    from fsdp_guide.magic import DistributedMagics
+    from fsdp_guide.launcher.magic import DistributedMagics
 
     hints = typing.get_type_hints(DistributedMagics.__init__)
     from IPython.core.interactiveshell import InteractiveShell

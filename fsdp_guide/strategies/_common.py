@@ -9,14 +9,6 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-__all__ = [
-    "check_extra_kwargs",
-    "constructor_defaults",
-    "notebook_start_method",
-    "retarget_schedulers",
-    "unwrap_optimizer",
-]
-
 
 def check_extra_kwargs(
     kwargs: dict[str, Any], target: Callable[..., Any], strategy: str, excluded: Iterable[str] = ()

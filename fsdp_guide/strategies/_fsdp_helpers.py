@@ -11,13 +11,6 @@ from collections.abc import Iterable, Sequence
 from torch import nn
 from torch.optim import Optimizer
 
-__all__ = [
-    "apply_activation_checkpointing",
-    "check_optimizers_use_sharded_params",
-    "contains_fsdp",
-    "normalize_layer_classes",
-]
-
 
 def normalize_layer_classes(
     layers: type[nn.Module] | Sequence[type[nn.Module]] | None,

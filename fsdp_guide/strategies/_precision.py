@@ -20,13 +20,6 @@ _FP16_NEEDS_CUDA = (
     "precision='16-mixed' with sharding needs CUDA; use precision='bf16-mixed' on CPU"
 )
 
-__all__ = [
-    "ShardedMixedPrecision",
-    "ShardedPrecision",
-    "check_sharded_precision",
-    "to_sharded_precision",
-]
-
 
 def _clip_sharded(optimizer: Optimizer, model: nn.Module | None, clip_val: float) -> bool:
     """Clip through OSS or FairScale FSDP; return False when neither applies."""

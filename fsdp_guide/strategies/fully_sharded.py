@@ -308,7 +308,7 @@ class DDPFullyShardedStrategy(DDPStrategy):
         """Gather the full optimizer state on rank 0 (collective); other ranks get ``{}``."""
         if not self._is_wrapped():
             return super().optimizer_state(optimizer)
-        from fsdp_guide.checkpoint_state import _UnmutatedStateDict
+        from fsdp_guide.checkpoint._state import _UnmutatedStateDict
 
         assert self.model is not None
         # FairScale's gather turns the live optimizer's ``step`` tensors into floats in place;

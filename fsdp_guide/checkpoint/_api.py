@@ -1,0 +1,245 @@
+"""save, load and consolidate: the collective entry points of checkpointing (private)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from fsdp_guide.checkpoint._dir import (
+    agree,
+    attempt,
+    check_sharded_target,
+    rank_and_world,
+    read_all_shards,
+    read_sharded,
+    write_sharded,
+)
+from fsdp_guide.checkpoint._io import atomic_write_torch, check_weights_only_value, read_torch
+from fsdp_guide.checkpoint._shards import consolidate_shards, get_sharded_state, set_sharded_state
+from fsdp_guide.checkpoint._state import (
+    SHARDED_STRATEGIES,
+    Strategy,
+    detect_strategy,
+    get_full_state,
+    set_full_state,
+)
+from fsdp_guide.errors import CheckpointError
+
+CheckpointKind = Literal["full", "sharded"]
+FULL_FORMAT = "fsdp_guide.full"
+FORMAT_VERSION = 1  # of both formats
+
+
+def _check_save_arguments(path: Path, kind: str, strategy: Strategy, extra: Any) -> None:
+    if kind not in ("full", "sharded"):
+        raise ValueError(f"kind must be 'full' or 'sharded', got {kind!r}")
+    if kind == "sharded" and strategy not in SHARDED_STRATEGIES:
+        raise ValueError(
+            f"kind='sharded' is for strategies that shard parameters (FSDP1, FSDP2, FairScale "
+            f"FSDP), not {strategy!r}; use kind='full' (sharded optimizer states such as OSS "
+            "and ZeRO are consolidated into it)"
+        )
+    if kind == "full" and path.is_dir():
+        raise ValueError(f"{path} is a directory; a full checkpoint is a file: choose a file path")
+    if kind == "sharded" and path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file; a sharded checkpoint is a directory: choose another")
+    if kind == "sharded":
+        check_sharded_target(path)
+    if extra is not None:
+        check_weights_only_value(extra)
+
+
+def save(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    kind: CheckpointKind = "full",
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Save model and optimizer state (collective: call on every rank).
+
+    Args:
+        path: A file for ``kind="full"``, a directory for ``kind="sharded"``.
+        model: The model as trained: plain, DDP, ShardedDDP, FSDP1, FSDP2 or FairScale FSDP.
+        optimizer: Its optimizer (plain, ``ZeroRedundancyOptimizer`` or OSS), or ``None``.
+        kind: ``"full"`` (one file, loads anywhere) or ``"sharded"`` (one file per rank).
+        extra: Small metadata to restore with it (step, epoch, RNG state): tensors, numbers,
+            strings and containers of them. Rank 0's is saved.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: Unknown ``kind``, ``"sharded"`` for a strategy that does not shard
+            parameters, a path of the wrong type, or a sharded target directory holding
+            other files. Raised before anything is written.
+        TypeError: ``extra`` holds something a ``weights_only`` load would refuse.
+        CheckpointError: Writing failed on some rank; the previous checkpoint is intact.
+
+    Examples:
+        >>> import tempfile
+        >>> model = nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> path = save(Path(tempfile.mkdtemp()) / "ckpt.pt", model, optimizer, extra={"step": 7})
+        >>> load(path, nn.Linear(2, 1), None)
+        {'step': 7}
+    """
+    path = Path(path)
+    strategy = detect_strategy(model, optimizer)
+    _check_save_arguments(path, kind, strategy, extra)
+    rank, world = rank_and_world()
+    if kind == "full":
+        model_state, optim_state = get_full_state(model, optimizer, strategy)
+        error = None
+        if rank == 0:
+            payload = {
+                "format": FULL_FORMAT,
+                "version": FORMAT_VERSION,
+                "strategy": strategy,
+                "world_size": world,
+                "optimizer_keys": "position" if strategy == "fairscale_fsdp" else "name",
+                "model": model_state,
+                "optimizer": optim_state,
+                "extra": extra,
+            }
+            _, error = attempt(lambda: atomic_write_torch(path, payload))
+        agree(error)
+        return path
+    write_sharded(path, get_sharded_state(model, optimizer, strategy), strategy, extra)
+    return path
+
+
+def load(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, Any] | None:
+    """Load a checkpoint written by :func:`save` (collective: call on every rank).
+
+    Build the model and optimizer exactly as for training (same wrapping), then load.
+    A full checkpoint loads at any world size; a sharded one at the world size that saved it.
+
+    Args:
+        path: The file or directory that :func:`save` wrote.
+        model: A freshly built model, wrapped like the one to continue training.
+        optimizer: Its optimizer, or ``None`` to load the model only.
+
+    Returns:
+        The ``extra`` given to :func:`save` (restore RNG states from it yourself).
+
+    Raises:
+        CheckpointError: Missing or truncated file or shard, a file refused by
+            ``weights_only``, a sharded checkpoint at another world size, parameter names
+            or shapes that differ (listed), or an optimizer state the checkpoint lacks.
+
+    Examples:
+        >>> import tempfile
+        >>> load(Path(tempfile.mkdtemp()) / "none.pt", nn.Linear(2, 1))
+        Traceback (most recent call last):
+        ...
+        fsdp_guide.errors.CheckpointError: checkpoint file .../none.pt does not exist...
+    """
+    path = Path(path)
+    strategy = detect_strategy(model, optimizer)
+    if path.is_dir():
+        shard, extra = read_sharded(path, strategy)
+        if optimizer is not None and shard["optimizer"] is None:
+            raise CheckpointError(
+                f"{path} holds no optimizer state (saved without an optimizer); pass "
+                "optimizer=None to load the model only"
+            )
+        set_sharded_state(model, optimizer, strategy, shard)
+        return extra
+    payload, error = attempt(lambda: _read_full(path))
+    agree(error)
+    assert payload is not None
+    if optimizer is not None and payload["optimizer"] is None:
+        raise CheckpointError(
+            f"{path} holds no optimizer state (saved without an optimizer, or consolidated "
+            "from FairScale FSDP shards); pass optimizer=None to load the model only"
+        )
+    if payload["optimizer_keys"] == "position" and strategy != "fairscale_fsdp" and optimizer:
+        raise CheckpointError(
+            f"{path} holds a FairScale FSDP optimizer state, which loads only into FairScale "
+            "FSDP; pass optimizer=None to load the model only"
+        )
+    if payload["optimizer_keys"] != "position" and strategy == "fairscale_fsdp" and optimizer:
+        raise CheckpointError(
+            f"{path} holds a {payload['strategy']!r} optimizer state, keyed by parameter name; "
+            "FairScale FSDP loads only its own optimizer state: pass optimizer=None to load "
+            "the model only"
+        )
+    set_full_state(model, optimizer, strategy, payload["model"], payload["optimizer"])
+    saved_extra: dict[str, Any] | None = payload["extra"]
+    return saved_extra
+
+
+def _read_full(path: Path) -> dict[str, Any]:
+    payload = read_torch(path)
+    if not isinstance(payload, dict) or payload.get("format") != FULL_FORMAT:
+        raise CheckpointError(f"{path} is not a full checkpoint written by fsdp_guide")
+    return payload
+
+
+def consolidate(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Any]:
+    """Turn a sharded checkpoint directory into a full checkpoint file, in one process.
+
+    Needs neither the model code nor a process group, and loads every shard in this
+    process (enough host memory for the whole state is needed).
+
+    Args:
+        source: Directory written by ``save(..., kind="sharded")``.
+        target: File to write; it then loads at any world size.
+
+    Returns:
+        A summary: ``strategy``, ``world_size``, ``tensors`` and ``bytes`` of the model state,
+        and whether an ``optimizer`` state was consolidated (not for FairScale FSDP).
+
+    Raises:
+        CheckpointError: The source is not a complete, intact sharded checkpoint.
+
+    Examples:
+        A one-rank sharded checkpoint, written by hand:
+
+        >>> import tempfile
+        >>> from fsdp_guide.checkpoint._dir import write_sharded
+        >>> root = Path(tempfile.mkdtemp())
+        >>> layer = nn.Linear(2, 1)
+        >>> shard = {"model": dict(layer.state_dict()), "optimizer": None, "layout": {}}
+        >>> write_sharded(root / "sharded", shard, "fsdp2", {"step": 3})
+        >>> consolidate(root / "sharded", root / "full.pt")
+        {'strategy': 'fsdp2', 'world_size': 1, 'tensors': 2, 'bytes': 12, 'optimizer': False}
+        >>> load(root / "full.pt", nn.Linear(2, 1))
+        {'step': 3}
+    """
+    source, target = Path(source), Path(target)
+    if not source.is_dir():
+        raise CheckpointError(
+            f"{source} is not a directory; consolidate takes a sharded checkpoint"
+        )
+    index, shards, extra = read_all_shards(source)
+    model_state, optim_state = consolidate_shards(shards, index["strategy"])
+    payload = {
+        "format": FULL_FORMAT,
+        "version": FORMAT_VERSION,
+        "strategy": index["strategy"],
+        "world_size": index["world_size"],
+        "optimizer_keys": "name",
+        "model": model_state,
+        "optimizer": optim_state,
+        "extra": extra,
+    }
+    atomic_write_torch(target, payload)
+    tensors = [v for v in model_state.values() if isinstance(v, torch.Tensor)]
+    return {
+        "strategy": index["strategy"],
+        "world_size": index["world_size"],
+        "tensors": len(tensors),
+        "bytes": sum(t.numel() * t.element_size() for t in tensors),
+        "optimizer": optim_state is not None,
+    }

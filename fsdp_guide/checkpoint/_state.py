@@ -1,0 +1,327 @@
+"""Training state in and out of each way of sharding: the part of a checkpoint that is collective.
+
+:func:`detect_strategy` reads the strategy from the types of the model and optimizer.
+A *full* state is the one an unsharded model would have: parameter names without wrapper
+prefixes (``module.``, ``_fsdp_wrapped_module.``), whole tensors, and an optimizer state
+keyed by parameter name instead of position, so it loads into any strategy at any world
+size. A *sharded* state is what one rank holds (PyTorch FSDP1 and FSDP2 through
+:mod:`torch.distributed.checkpoint.state_dict`; FairScale FSDP through its local state
+dict), with the offset of each shard in its whole tensor so shards can be stitched together
+offline (:mod:`fsdp_guide.checkpoint._shards`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from fsdp_guide.checkpoint._names import (
+    check_names_and_shapes,
+    names_in_optimizer_order,
+    optimizer_state_by_name,
+    optimizer_state_by_position,
+    shape_of,
+)
+
+Strategy = Literal[
+    "module", "ddp", "zero", "oss", "sharded_ddp", "fsdp1", "fsdp2", "fairscale_fsdp"
+]
+SHARDED_STRATEGIES: tuple[str, ...] = ("fsdp1", "fsdp2", "fairscale_fsdp")
+_OptimizerState = dict[str, Any]
+
+
+def _fairscale_types() -> tuple[type, type, type] | None:
+    # A model can only be a FairScale type if FairScale was imported: keep it lazy.
+    if "fairscale" not in sys.modules:
+        return None
+    from fairscale.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
+    from fairscale.optim import OSS
+
+    return FullyShardedDataParallel, ShardedDataParallel, OSS
+
+
+def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Strategy:
+    """Name the way ``model`` and ``optimizer`` are sharded, from their types.
+
+    Checked in this order: FairScale FSDP, PyTorch FSDP2 (``fully_shard`` on the root),
+    PyTorch FSDP1, FairScale ShardedDDP, then the optimizer (FairScale OSS, PyTorch
+    ``ZeroRedundancyOptimizer``), then DDP, else a plain module.
+
+    Raises:
+        TypeError: ``model`` is not a module, or FSDP1/FSDP2 is applied to sub-modules
+            only (wrap the root too: state dicts are taken from the root).
+
+    Examples:
+        >>> detect_strategy(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters()))
+        'module'
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    fairscale = _fairscale_types()
+    if fairscale is not None and isinstance(model, fairscale[0]):
+        return "fairscale_fsdp"
+    if isinstance(model, FSDPModule):
+        return "fsdp2"
+    if isinstance(model, FSDP1):
+        return "fsdp1"
+    if any(isinstance(m, FSDPModule | FSDP1) for m in model.modules()):
+        raise TypeError(
+            "FSDP is applied to sub-modules but not to the root module; wrap the root as well "
+            "(fully_shard(model) or FullyShardedDataParallel(model)) before saving or loading"
+        )
+    if fairscale is not None and isinstance(model, fairscale[1]):
+        return "sharded_ddp"
+    if fairscale is not None and isinstance(optimizer, fairscale[2]):
+        return "oss"
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return "zero"
+    if isinstance(model, DistributedDataParallel):
+        return "ddp"
+    return "module"
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP or ShardedDDP wrapper (``model.module``), else ``model``.
+
+    Examples:
+        >>> layer = nn.Linear(2, 2)
+        >>> unwrap(layer) is layer
+        True
+    """
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) and not _is_torch_fsdp(model) else model
+
+
+def _is_torch_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    return isinstance(model, FSDPModule | FSDP1)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def gather_full_fsdp_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gather a PyTorch FSDP model's full state into rank 0 only (collective).
+
+    Every rank takes part in the gathers, one tensor (FSDP2) or one FSDP unit (FSDP1) at a
+    time, but only rank 0 keeps what is gathered: the other ranks get empty dicts, so no
+    rank but 0 ever holds the whole state. On GPU the copy goes to rank 0's host memory.
+    FSDP1 on CPU gathers without "offloading" (``offload_to_cpu=False``): offloading a
+    flat parameter that is already on the CPU frees the storage FSDP1 is reading.
+
+    Returns:
+        ``(model_state, optimizer_state)``: whole tensors keyed by parameter name on rank 0,
+        ``({}, {})`` on the other ranks (and an empty optimizer state without optimizer).
+
+    Raises:
+        ValueError: ``strategy`` is not ``"fsdp1"`` or ``"fsdp2"``.
+
+    Examples:
+        >>> gather_full_fsdp_state(nn.Linear(2, 1), None, "ddp")
+        Traceback (most recent call last):
+        ...
+        ValueError: gather_full_fsdp_state is for 'fsdp1' and 'fsdp2', not 'ddp'
+    """
+    if strategy not in ("fsdp1", "fsdp2"):
+        raise ValueError(f"gather_full_fsdp_state is for 'fsdp1' and 'fsdp2', not {strategy!r}")
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    if strategy == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        # cpu_offload=True with full_state_dict=True is DCP's rank-0-only mode (CPU too).
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_state_dict(
+            model, [optimizer] if optimizer is not None else [], options=options
+        )
+        return dict(model_state), dict(optim_state)
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    # DCP ties FSDP1's rank0_only to cpu_offload, which breaks on CPU: use FSDP1's own API.
+    with FSDP1.state_dict_type(
+        model,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True),
+        FullOptimStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True),
+    ):
+        model_state = model.state_dict()
+        optim_state = FSDP1.optim_state_dict(model, optimizer) if optimizer is not None else {}
+    return dict(model_state), dict(optim_state)
+
+
+class _UnmutatedStateDict:
+    """Hands FairScale an optimizer state dict it may change without changing the optimizer.
+
+    ``FullyShardedDataParallel.gather_full_optim_state_dict`` turns each ``step`` tensor
+    of ``optim.state_dict()`` into a float in place; that dict's per-parameter entries are
+    the optimizer's own, and the next ``optimizer.step()`` then fails ("state_steps
+    argument must contain a list of singleton tensors"). Copying the entries (not the
+    tensors in them) keeps the live optimizer intact.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.optimizer.state_dict()
+        return {**state, "state": {k: dict(v) for k, v in state["state"].items()}}
+
+
+def _consolidate_on_every_rank(
+    optimizer: torch.optim.Optimizer, strategy: Strategy
+) -> dict[str, Any]:
+    """The whole position-keyed state of a ZeRO or OSS optimizer, on every rank (collective)."""
+    import torch.distributed as dist
+
+    if strategy != "zero":
+        # FairScale: recipient -1 materialises the whole state on every rank.
+        optimizer.consolidate_state_dict(recipient_rank=-1)  # type: ignore[attr-defined]
+        return optimizer.state_dict()
+    # PyTorch's ZeRO consolidates to one rank per call: rank 0, which then broadcasts it.
+    optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
+    whole = [optimizer.state_dict() if _rank() == 0 else None]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(whole, src=0)
+    assert whole[0] is not None
+    return whole[0]
+
+
+def get_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy
+) -> tuple[dict[str, Any] | None, _OptimizerState | None]:
+    """Gather the full model and optimizer state (collective: call on every rank).
+
+    Parameters that every rank replicates (plain module, DDP, ZeRO, OSS, ShardedDDP) are
+    returned on every rank, as are ZeRO and OSS optimizer states, which are consolidated on
+    every rank. Sharded parameters (FSDP1, FSDP2, FairScale FSDP) are gathered into rank 0
+    only (:func:`gather_full_fsdp_state`): the other ranks get ``(None, None)``.
+
+    Returns:
+        ``(model_state, optimizer_state)``, or ``(None, None)`` on ranks other than 0 for
+        FSDP. The optimizer state is keyed by parameter name, except for FairScale FSDP,
+        whose own gathered format (keyed by position) is kept.
+
+    Examples:
+        >>> layer = nn.Linear(2, 1)
+        >>> model_state, optim_state = get_full_state(layer, None, "module")
+        >>> sorted(model_state), optim_state
+        (['bias', 'weight'], None)
+    """
+    if strategy in ("fsdp1", "fsdp2"):
+        model_state, optim_state = gather_full_fsdp_state(model, optimizer, strategy)
+        if _rank() != 0:
+            return None, None
+        return model_state, (optim_state if optimizer is not None else None)
+    if strategy == "fairscale_fsdp":
+        # FairScale's state_dict() gathers onto every rank's device (its rank-0-only mode
+        # is fixed when the model is wrapped); only rank 0 keeps a host copy.
+        state = model.state_dict()  # collective: every rank takes part in the gather
+        gather = model.gather_full_optim_state_dict  # returns None on ranks other than 0
+        gathered = gather(_UnmutatedStateDict(optimizer)) if optimizer else None  # type: ignore[operator]
+        if _rank() != 0:
+            return None, None
+        on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        return on_host, gathered
+    position_keyed = None
+    if optimizer is not None and strategy in ("zero", "oss", "sharded_ddp"):
+        position_keyed = _consolidate_on_every_rank(optimizer, strategy)
+    model_state = dict(unwrap(model).state_dict())
+    if optimizer is None:
+        return model_state, None
+    if position_keyed is None:
+        position_keyed = optimizer.state_dict()
+    names = names_in_optimizer_order(unwrap(model), optimizer)
+    return model_state, optimizer_state_by_name(position_keyed, names)
+
+
+def expected_model_shapes(model: nn.Module, strategy: Strategy) -> dict[str, tuple[int, ...]]:
+    """Names and whole-tensor shapes of the model's state dict, without gathering anything.
+
+    Examples:
+        >>> expected_model_shapes(nn.Linear(3, 2), "module")
+        {'weight': (2, 3), 'bias': (2,)}
+    """
+    if strategy in ("fsdp1", "fsdp2"):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sharded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+        return {k: shape_of(v) for k, v in sharded.items()}
+    return {k: shape_of(v) for k, v in unwrap(model).state_dict().items()}
+
+
+def set_full_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strategy: Strategy,
+    model_state: dict[str, Any],
+    optim_state: _OptimizerState | None,
+) -> None:
+    """Load a full state (from :func:`get_full_state`, on every rank) into any strategy.
+
+    Raises:
+        CheckpointError: Parameter names or shapes differ (the message lists them).
+
+    Examples:
+        >>> source, target = nn.Linear(2, 1), nn.Linear(2, 1)
+        >>> set_full_state(target, None, "module", *get_full_state(source, None, "module"))
+        >>> torch.equal(source.weight, target.weight)
+        True
+    """
+    if strategy != "fairscale_fsdp":
+        saved_shapes = {k: shape_of(v) for k, v in model_state.items()}
+        check_names_and_shapes(expected_model_shapes(model, strategy), saved_shapes)
+    if strategy in ("fsdp1", "fsdp2"):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        if optimizer is not None and optim_state is not None:
+            names = [n for g in optim_state["param_groups"] for n in g["params"]]
+            _check_optimizer_names(model, names)
+        set_state_dict(
+            model,
+            [optimizer] if optimizer is not None else [],
+            model_state_dict=model_state,
+            optim_state_dict=optim_state if optimizer is not None and optim_state else {},
+            options=StateDictOptions(full_state_dict=True),
+        )
+        return
+    if strategy == "fairscale_fsdp":
+        model.load_state_dict(model_state)
+        if optimizer is not None and optim_state is not None:
+            # Its gather left each "step" a number; Adam's load_state_dict makes it a tensor.
+            shard = model.get_shard_from_optim_state_dict(optim_state)  # type: ignore[operator]
+            optimizer.load_state_dict(shard)
+        return
+    by_position = None
+    if optimizer is not None and optim_state is not None:  # checked before the model changes
+        ordered = iter(names_in_optimizer_order(unwrap(model), optimizer))
+        groups = [[next(ordered) for _ in g["params"]] for g in optimizer.param_groups]
+        by_position = optimizer_state_by_position(optim_state, groups)
+    unwrap(model).load_state_dict(model_state)
+    if optimizer is not None and by_position is not None:
+        optimizer.load_state_dict(by_position)
+
+
+def _check_optimizer_names(model: nn.Module, saved: list[str]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # Optimizer states of FSDP models are keyed by the unwrapped parameter names.
+    options = StateDictOptions(full_state_dict=False)
+    params = {k for k in get_model_state_dict(model, options=options)}
+    unknown = sorted(set(saved) - params)
+    if unknown:
+        check_names_and_shapes({}, {n: () for n in unknown}, what="optimizer's parameters")

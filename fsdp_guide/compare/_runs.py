@@ -1,0 +1,225 @@
+"""Train the demo model under each strategy on N ranks and measure what every rank holds.
+
+:func:`train_and_measure` is the training function that runs on each rank;
+:func:`run_comparison` launches it once per strategy and pairs each rank's measured
+model state with the ZeRO prediction. This is what ``python -m fsdp_guide compare`` does.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from fsdp_guide.compare._strategies import STRATEGIES, check_strategies, wrap_for_strategy
+from fsdp_guide.launcher._launch import launch
+from fsdp_guide.memory import PeakMemory, measure_model_state, peak_memory
+from fsdp_guide.memory._report import ComparisonRow
+from fsdp_guide.memory._state import ModelState
+from fsdp_guide.models import (
+    ModelName,
+    build_model,
+    count_params,
+    loss_fn,
+    shard_batch,
+    synthetic_batch,
+)
+
+
+@dataclass(frozen=True)
+class RankMeasurement:
+    """What one rank measured while training under one strategy.
+
+    Attributes:
+        strategy: Strategy name.
+        rank: The rank.
+        num_params: Parameters of the unwrapped model.
+        state: Model state held after the last ``optimizer.step()``.
+        step_time_s: Mean wall time of a training step (the first step excluded when
+            there are several: it allocates the optimizer state).
+        loss: Loss of the last step on this rank's slice of the batch.
+        peak: Peak memory of the rank (CUDA peak allocated, or process peak RSS on CPU).
+    """
+
+    strategy: str
+    rank: int
+    num_params: int
+    state: ModelState
+    step_time_s: float
+    loss: float
+    peak: PeakMemory
+
+
+def train_and_measure(
+    rank: int,
+    world_size: int,
+    strategy: str,
+    model_name: ModelName = "transformer",
+    steps: int = 3,
+    batch_size: int = 8,
+) -> RankMeasurement:
+    """Train the demo model for ``steps`` steps under ``strategy``; measure this rank.
+
+    Runs on a launched rank (``launch(train_and_measure, world_size, args=(...))``).
+    Every rank builds the same seeded model and takes its slice of the same global batch,
+    so the losses of all strategies can be compared. The state is measured after the last
+    ``optimizer.step()``, before ``zero_grad()``.
+
+    Args:
+        rank: This rank.
+        world_size: Number of ranks.
+        strategy: A name from :data:`~fsdp_guide.compare._strategies.STRATEGIES`.
+        model_name: ``"transformer"`` or ``"mlp"``.
+        steps: Training steps (at least 1).
+        batch_size: Global batch size; must divide by ``world_size``.
+
+    Returns:
+        This rank's :class:`RankMeasurement`.
+
+    Examples:
+        One rank, the MLP (142,088 parameters), plain DDP: 16 bytes per parameter plus
+        Adam's 4-byte step counter for each of its 8 tensors.
+
+        >>> (result,) = launch(
+        ...     train_and_measure, 1, args=("ddp", "mlp", 1), backend="gloo", start_method="fork"
+        ... )
+        >>> result.state.total == 16 * 142_088 + 8 * 4
+        True
+    """
+    # A forked rank cannot use an OpenMP pool its parent already started (libgomp is not
+    # fork-safe: the first parallel op hangs); one intra-op thread per rank never enters it.
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    num_params = count_params(model)
+    with warnings.catch_warnings():
+        # The wrappers warn about CPU devices and deprecations; the lesson is the numbers.
+        warnings.simplefilter("ignore")
+        module, optimizer = wrap_for_strategy(model, strategy, world_size)
+        device = next(module.parameters()).device
+        times = []
+        for step in range(steps):
+            batch = shard_batch(synthetic_batch(model_name, batch_size, step), rank, world_size)
+            x, y = (t.to(device) for t in batch)
+            start = time.perf_counter()
+            loss = loss_fn(module, (x, y))
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+            if step == steps - 1:
+                state = measure_model_state(module, optimizer)
+            # Through the module: ShardedDDP's own zero_grad clears its gradient buckets in
+            # place, where optimizer.zero_grad() would set .grad to None and detach them.
+            module.zero_grad()
+    timed = times[1:] or times
+    return RankMeasurement(
+        strategy=strategy,
+        rank=rank,
+        num_params=num_params,
+        state=state,
+        step_time_s=sum(timed) / len(timed),
+        loss=loss.item(),
+        peak=peak_memory(device if device.type == "cuda" else "cpu"),
+    )
+
+
+def _print_progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_comparison(
+    strategies: Sequence[str],
+    world_size: int = 2,
+    model_name: ModelName = "transformer",
+    steps: int = 3,
+    batch_size: int = 8,
+    progress: Callable[[str], None] | None = _print_progress,
+    timeout: float = 300.0,
+) -> list[ComparisonRow]:
+    """Launch :func:`train_and_measure` for each strategy; pair measurements with predictions.
+
+    Args:
+        strategies: Names from :data:`~fsdp_guide.compare._strategies.STRATEGIES`.
+        world_size: Ranks per run.
+        model_name: ``"transformer"`` or ``"mlp"``.
+        steps: Training steps per strategy.
+        batch_size: Global batch size; must divide by ``world_size``.
+        progress: Called with one line before and after each run (``None``: silent).
+        timeout: Seconds each run may take.
+
+    Returns:
+        One :class:`~fsdp_guide.memory._report.ComparisonRow` per strategy and rank.
+
+    Raises:
+        ValueError: Bad strategy, model, world size, steps or batch size, before any
+            process starts.
+
+    Examples:
+        >>> run_comparison(["ddp"], world_size=3, batch_size=8)
+        Traceback (most recent call last):
+        ...
+        ValueError: batch size 8 does not divide by world_size=3; pass a multiple of 3
+    """
+    specs = check_strategies(list(strategies))
+    if model_name not in ("transformer", "mlp"):
+        raise ValueError(f"unknown model {model_name!r}; choose 'transformer' or 'mlp'")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if batch_size < 1 or batch_size % world_size:
+        raise ValueError(
+            f"batch size {batch_size} does not divide by world_size={world_size}; "
+            f"pass a multiple of {world_size}"
+        )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for spec in specs:
+        if spec.needs_cuda and gpus < world_size:
+            raise ValueError(
+                f"strategy {spec.name!r} needs one GPU per rank: world_size={world_size} but "
+                f"{gpus} GPU(s) visible; lower --world-size or leave it out"
+            )
+    # Fork starts ranks in a fraction of spawn's time; CUDA is not touched in this process.
+    method: Literal["fork", "spawn"] = "fork" if sys.platform == "linux" else "spawn"
+    rows: list[ComparisonRow] = []
+    for index, spec in enumerate(specs, start=1):
+        if progress:
+            progress(
+                f"[{index}/{len(specs)}] {spec.name}: {spec.summary}, {world_size} rank(s) ..."
+            )
+        start = time.perf_counter()
+        results: list[RankMeasurement] = launch(
+            train_and_measure,
+            world_size,
+            args=(spec.name, model_name, steps, batch_size),
+            backend="nccl" if spec.needs_cuda else "gloo",
+            timeout=timeout,
+            start_method=method,
+        )
+        for result in results:
+            rows.append(
+                ComparisonRow(
+                    strategy=spec.name,
+                    rank=result.rank,
+                    world_size=world_size,
+                    zero_stage=STRATEGIES[spec.name].zero_stage,
+                    measured=result.state,
+                    predicted=spec.predict(result.num_params, world_size),
+                    step_time_s=result.step_time_s,
+                    loss=result.loss,
+                    peak_bytes=result.peak.bytes,
+                    peak_kind=result.peak.kind,
+                )
+            )
+        if progress:
+            progress(
+                f"[{index}/{len(specs)}] {spec.name}: done in {time.perf_counter() - start:.1f} s"
+            )
+    return rows

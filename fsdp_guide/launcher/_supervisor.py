@@ -1,0 +1,412 @@
+"""Start ranks, relay their output, collect their results, stop them all on failure (private).
+
+The supervisor is a single-threaded loop in the caller's main thread. In a Jupyter
+kernel that matters: output printed from the main thread lands in the cell that
+called :func:`fsdp_guide.launch`, and the stop button's ``KeyboardInterrupt`` arrives
+there too, so an interrupted run is always cleaned up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from fsdp_guide.errors import LaunchTimeout, RankError
+from fsdp_guide.launcher import _worker
+from fsdp_guide.launcher._output import _emit, _Stream
+
+__all__: list[str] = []
+
+# A forked child inherits every file descriptor open in the parent. Launches running in
+# several threads take this lock while they hold descriptors their ranks must not share
+# (the write ends of a rank's pipes, a port-probing socket) and while they fork.
+FD_LOCK = threading.Lock()
+
+_TERMINATE_GRACE_S = 2.0
+# How long ranks may linger after every one has sent its result (a non-daemon thread or a
+# child process keeps a rank alive) before they are stopped and the results returned.
+_EXIT_GRACE_S = 3.0
+# How long to wait for the rank behind a peer's "connection reset" before stopping everyone.
+_CAUSE_WAIT_S = 0.5
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: BaseProcess
+    result: Connection
+    streams: list[_Stream] = field(default_factory=list)
+    done: bool = False
+    value: Any = None
+    failure: RankError | None = None
+    failed_at: float = 0.0
+
+
+def _exit_failure(rank: int, exitcode: int | None) -> RankError:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:  # real-time signals have no name in the enum
+            name = f"SIGRTMIN+{-exitcode - signal.SIGRTMIN}"
+        return RankError(f"rank {rank} was killed by {name}", rank=rank, signal_name=name)
+    return RankError(
+        f"rank {rank} exited with status {exitcode} without returning a result",
+        rank=rank,
+        exitcode=exitcode,
+    )
+
+
+def _kill_group(process: BaseProcess, sig: int) -> None:
+    pid = process.pid
+    if pid is None or process.exitcode is not None:
+        return
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        # The rank has not become a group leader yet (or already left): signal it alone.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def stop_all(ranks: list[_Rank]) -> None:
+    """Terminate every rank and its children; escalate to SIGKILL after a short grace."""
+    for r in ranks:
+        _kill_group(r.process, signal.SIGTERM)
+    try:
+        deadline = time.monotonic() + _TERMINATE_GRACE_S
+        for r in ranks:
+            r.process.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        # A second interrupt (the stop button pressed twice) must not leave ranks running.
+        _kill_all(ranks)
+        raise
+    _kill_all(ranks)
+
+
+def _kill_all(ranks: list[_Rank]) -> None:
+    """SIGKILL every rank's process group, then wait for the ranks themselves."""
+    for r in ranks:
+        if r.process.exitcode is None:
+            _kill_group(r.process, signal.SIGKILL)
+        else:
+            # The leader is gone; make sure nothing it started survives.
+            with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+                os.killpg(r.process.pid or 0, signal.SIGKILL)
+    for r in ranks:
+        r.process.join(5.0)
+
+
+def _listen(address: str) -> socket.socket:
+    """A listening TCP socket on a free port of ``address``, for rank 0's store."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, 0))
+    sock.listen(128)
+    return sock
+
+
+def _dump_stacks(ranks: list[_Rank], grace_s: float = 1.0) -> None:
+    """Ask ranks still running to print their Python stacks (faulthandler on SIGUSR1)."""
+    running = [r for r in ranks if r.process.exitcode is None and r.process.pid is not None]
+    for r in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(r.process.pid, signal.SIGUSR1)  # type: ignore[arg-type]
+    if running:
+        time.sleep(grace_s)  # let the dumps reach the pipes; _drain prints them
+
+
+def start_ranks(
+    ctx: BaseContext,
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    backend: str,
+    master_addr: str,
+    master_port: int | None,
+    pg_timeout_s: float,
+) -> list[_Rank]:
+    """Start one process per rank; each gets private pipes for stdout, stderr and its result.
+
+    With ``master_port=None`` we bind a free port and hand the listening socket to rank 0,
+    which serves the rendezvous store on it: picking a free port and binding it later would
+    leave a window in which another process can take it.
+    """
+    ranks: list[_Rank] = []
+    forked = ctx.get_start_method() == "fork"
+    # A spawned rank gets its work pickled by us and unpickles it after redirecting its
+    # output (see _worker.run_rank); a forked rank shares our memory and needs no pickling.
+    job: Callable[..., Any] | bytes = (
+        fn if forked else pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+    )
+    try:
+        for rank in range(world_size):
+            # Held while this rank's pipes are open in our process, so that a launch in
+            # another thread does not fork a rank that inherits (and holds open) them.
+            with FD_LOCK:
+                listener = None
+                if rank == 0 and master_port is None:
+                    listener = _listen(master_addr)
+                    master_port = int(listener.getsockname()[1])
+                assert master_port is not None
+                out_r, out_w = ctx.Pipe(duplex=False)
+                err_r, err_w = ctx.Pipe(duplex=False)
+                res_r, res_w = ctx.Pipe(duplex=False)
+                process = ctx.Process(  # type: ignore[attr-defined]
+                    target=_worker.run_rank,
+                    args=(
+                        job,
+                        rank,
+                        world_size,
+                        args if forked else (),  # inside ``job`` when spawned
+                        kwargs if forked else {},
+                        backend,
+                        master_addr,
+                        master_port,
+                        pg_timeout_s,
+                        out_w,
+                        err_w,
+                        res_w,
+                        forked,
+                        listener,
+                    ),
+                    name=f"fsdp_guide-rank{rank}",
+                    daemon=False,
+                )
+                process.start()
+                # Close our copies of the write ends so EOF arrives when the rank exits, and so
+                # ranks forked later do not inherit (and hold open) this rank's pipes.
+                for w in (out_w, err_w, res_w):
+                    w.close()
+                if listener is not None:
+                    listener.close()  # rank 0 has its own copy now
+            r = _Rank(rank=rank, process=process, result=res_r)
+            r.streams = [_Stream(rank, out_r, sys.stdout), _Stream(rank, err_r, sys.stderr)]
+            ranks.append(r)
+    except BaseException:
+        stop_all(ranks)
+        raise
+    return ranks
+
+
+def _read_result(r: _Rank) -> None:
+    try:
+        data = r.result.recv_bytes()
+    except (EOFError, OSError):
+        return  # died before reporting; the exit status tells why
+    r.done = True
+    try:
+        message = pickle.loads(data)
+    except Exception as exc:
+        r.failure = RankError(
+            f"the value returned by rank {r.rank} cannot be rebuilt in the launching process "
+            f"({type(exc).__name__}: {exc}). Return plain data (numbers, strings, lists, "
+            "dicts, CPU tensors), or objects of classes this process can import, not of "
+            "classes defined inside the launched function or a %%distributed cell.",
+            rank=r.rank,
+        )
+        r.failed_at = time.time()
+        return
+    if message[0] == "ok":
+        r.value = message[1]
+    elif message[0] == "exit":
+        _, code, argument, failed_at = message
+        called = f"rank {r.rank} called sys.exit({argument})"
+        if code == 0:
+            text = f"{called} before returning a result"
+        elif argument == repr(code):
+            text = called
+        else:
+            text = f"{called}: exit status {code}"
+        r.failure = RankError(text, rank=r.rank, exitcode=code)
+        r.failed_at = failed_at
+    else:
+        _, text, failed_at = message
+        last = text.strip().splitlines()[-1] if text.strip() else "an exception"
+        r.failure = RankError(
+            f"rank {r.rank} raised {last}\n\n--- traceback of rank {r.rank} ---\n{text}",
+            rank=r.rank,
+            remote_traceback=text,
+        )
+        r.failed_at = failed_at
+
+
+def supervise(ranks: list[_Rank], timeout: float) -> list[Any]:
+    """Relay output until every rank has reported; raise on the first failure or at timeout."""
+    selector = selectors.DefaultSelector()
+    for r in ranks:
+        for s in r.streams:
+            selector.register(s.conn.fileno(), selectors.EVENT_READ, ("stream", r, s))
+        selector.register(r.result.fileno(), selectors.EVENT_READ, ("result", r, None))
+        selector.register(r.process.sentinel, selectors.EVENT_READ, ("exit", r, None))
+    deadline = time.monotonic() + timeout
+    all_reported_at: float | None = None
+    try:
+        while not all(r.done and r.process.exitcode is not None for r in ranks):
+            if all(r.done and r.failure is None for r in ranks):
+                all_reported_at = all_reported_at or time.monotonic()
+                if time.monotonic() - all_reported_at > _EXIT_GRACE_S:
+                    _report_lingering(ranks)
+                    break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                running = [r.rank for r in ranks if r.process.exitcode is None or not r.done]
+                _dump_stacks(ranks)
+                raise LaunchTimeout(
+                    f"ranks {running} still running after {timeout:g} s; all ranks were "
+                    "stopped (their stacks at that moment are printed above). Raise "
+                    "`timeout=` if the work is just slow, or look for a rank that skipped a "
+                    "collective the others entered.",
+                    ranks=running,
+                    timeout=timeout,
+                )
+            for key, _ in selector.select(min(remaining, 0.5)):
+                kind, r, s = key.data
+                if kind == "stream":
+                    data = os.read(s.conn.fileno(), 65536)
+                    if data:
+                        _emit(s, data)
+                    else:
+                        _emit(s, b"", final=True)
+                        selector.unregister(key.fd)
+                elif kind == "result":
+                    selector.unregister(key.fd)
+                    _read_result(r)
+                else:
+                    selector.unregister(key.fd)
+                    r.process.join()
+                    _on_exit(r)
+            if any(r.failure is not None for r in ranks):
+                _wait_for_the_cause(ranks)
+                stop_all(ranks)
+                _drain(ranks)
+                raise _root_cause(ranks)
+        # Every rank has reported: stop what is still running in their process groups
+        # (processes a rank started and left behind), then print what is left in the pipes.
+        stop_all(ranks)
+        _read_streams_to_eof(selector, time.monotonic() + _TERMINATE_GRACE_S)
+    except BaseException:
+        stop_all(ranks)
+        _drain(ranks)
+        raise
+    finally:
+        selector.close()
+        for r in ranks:
+            r.result.close()
+            for s in r.streams:
+                s.conn.close()
+    return [r.value for r in ranks]
+
+
+def _on_exit(r: _Rank) -> None:
+    """Record how an exited rank ended: its report if it sent one, else its exit status."""
+    if not r.done and r.result.poll():
+        _read_result(r)
+    if r.failure is None and (not r.done or r.process.exitcode != 0):
+        r.done = True
+        r.failure = _exit_failure(r.rank, r.process.exitcode)
+        r.failed_at = time.time()
+
+
+def _wait_for_the_cause(ranks: list[_Rank]) -> None:
+    """Before stopping the ranks, note those that already died on their own.
+
+    A rank that dies without a report (killed, ``os._exit``) breaks its peers' connections;
+    a peer's "connection reset" report can arrive before the death is noticed. When every
+    failure so far is such a report, wait briefly for the rank that caused it.
+    """
+    deadline = time.monotonic() + _CAUSE_WAIT_S
+    while True:
+        for r in ranks:
+            if r.failure is None and r.process.exitcode is not None:
+                _on_exit(r)
+        failures = [r.failure for r in ranks if r.failure is not None]
+        if not all(_lost_a_peer(f) for f in failures) or time.monotonic() >= deadline:
+            return
+        time.sleep(0.02)
+
+
+def _report_lingering(ranks: list[_Rank]) -> None:
+    lingering = [r.rank for r in ranks if r.process.exitcode is None]
+    print(
+        f"fsdp_guide.launch: ranks {lingering} sent their results but were still running "
+        f"{_EXIT_GRACE_S:g} s later (a non-daemon thread or a child process not joined?); "
+        "they were stopped.",
+        file=sys.stderr,
+    )
+
+
+def _read_streams_to_eof(selector: selectors.BaseSelector, deadline: float) -> None:
+    """After the ranks exit, print what is still in their pipes, up to end of file."""
+    while any(key.data[0] == "stream" for key in selector.get_map().values()):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break  # a process the rank started still holds the pipe open
+        for key, _ in selector.select(remaining):
+            kind, _, s = key.data
+            if kind != "stream":
+                selector.unregister(key.fd)
+                continue
+            data = os.read(s.conn.fileno(), 65536)
+            _emit(s, data, final=not data)
+            if not data:
+                selector.unregister(key.fd)
+    for key in list(selector.get_map().values()):
+        if key.data[0] == "stream":
+            _emit(key.data[2], b"", final=True)
+
+
+# What a rank's collective raises when a peer went away: a consequence, never the cause.
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _lost_a_peer(failure: RankError) -> bool:
+    text = (failure.remote_traceback or "").strip()
+    last = text.splitlines()[-1] if text else ""
+    return any(marker in last for marker in _PEER_LOST)
+
+
+def _root_cause(ranks: list[_Rank]) -> RankError:
+    """The failure that caused the others.
+
+    Peers that merely lost their connection to a failed rank are passed over. A rank that
+    died without a report (killed, ``os._exit``) is only noticed after its peers may already
+    have reported the lost connection, so report times alone would blame a peer.
+    """
+    failed = [(r.failure, r.failed_at) for r in ranks if r.failure is not None]
+    failure, _ = min(failed, key=lambda pair: (_lost_a_peer(pair[0]), pair[1]))
+    return failure
+
+
+def _drain(ranks: list[_Rank]) -> None:
+    """Print what stopped ranks wrote before dying, and pick up error reports already sent."""
+    for r in ranks:
+        if not r.done:
+            try:
+                if r.result.poll():
+                    _read_result(r)
+            except (OSError, EOFError, ValueError):
+                pass
+        for s in r.streams:
+            try:
+                while s.conn.poll():
+                    data = os.read(s.conn.fileno(), 65536)
+                    if not data:
+                        break
+                    _emit(s, data)
+                _emit(s, b"", final=True)
+            except (OSError, ValueError):
+                pass

@@ -1,0 +1,64 @@
+"""Memory per rank, measured and predicted.
+
+:func:`measure_model_state` counts the bytes of parameters, gradients and optimizer state
+that a rank holds; :func:`estimate_model_state` gives what the ZeRO formulas predict for
+the same setting; :func:`peak_memory` reads the device's (or process's) peak.
+
+**When to measure.** Call :func:`measure_model_state` **after** ``optimizer.step()`` and **before**
+``optimizer.zero_grad()``. At that point every kind of state exists at once: the
+gradients of the step are still there and the optimizer state has been created. What is
+counted there, per strategy:
+
+* DDP: full parameters, full gradients, full optimizer state (ZeRO stage 0).
+* ZeroRedundancyOptimizer / FairScale OSS (with DDP): full parameters and gradients; the
+  optimizer state of the tensors this rank owns (stage 1).
+* FairScale ShardedDDP + OSS: full parameters; the gradients of the tensors this rank
+  owns, since ShardedDDP drops the others after reducing them (stage 2) *unless* they sit
+  in its reduce buckets, which stay allocated (see ``full_grads`` in
+  :func:`estimate_model_state`).
+* FSDP (FairScale, PyTorch FSDP1, FSDP2): this rank's parameter shard, gradient shard and
+  optimizer state for that shard (stage 3). FSDP1's ``SHARD_GRAD_OP`` is ZeRO-2 during
+  forward and backward, but it frees the unsharded parameters after backward, so at this
+  point it holds stage-3 state; ``NO_SHARD`` holds stage-0 state.
+
+Each storage is counted once, whole: tensors that are views of one flat buffer (OSS's
+parameter buckets, DDP's gradient buckets, FSDP's flat parameters and their padding) add
+that buffer's size once. FSDP's private buffers hanging off a flat parameter (the
+unsharded ``_full_param_padded``, mixed-precision shards, ...) are counted when they are
+allocated. Buffers that are not model state (DDP's communication buckets when gradients
+are not bucket views, activations, module buffers) are not counted.
+"""
+
+from __future__ import annotations
+
+from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
+from fsdp_guide.memory._report import (
+    ComparisonRow,
+    comparison_table,
+    plot_comparison,
+    rows_as_json,
+)
+from fsdp_guide.memory._state import ModelState
+from fsdp_guide.memory._zero import (
+    bytes_per_param,
+    estimate_model_state,
+    format_bytes,
+    parse_size,
+    resolve_stage,
+)
+
+__all__ = [
+    "ComparisonRow",
+    "ModelState",
+    "PeakMemory",
+    "bytes_per_param",
+    "comparison_table",
+    "estimate_model_state",
+    "format_bytes",
+    "measure_model_state",
+    "parse_size",
+    "peak_memory",
+    "plot_comparison",
+    "resolve_stage",
+    "rows_as_json",
+]

@@ -1,0 +1,165 @@
+"""Measuring what a rank holds: model state by storage, and the device's peak (private)."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from fsdp_guide.memory._state import ModelState
+
+# Private tensors that FairScale FSDP and PyTorch FSDP1 hang off a flat parameter.
+_PARAM_BUFFERS = (
+    "_local_shard",
+    "_fp32_shard",
+    "_fp16_shard",
+    "_mp_shard",
+    "_full_param_padded",
+    "_full_prec_full_param_padded",
+)
+_GRAD_BUFFERS = ("_saved_grad_shard", "_cpu_grad")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor: a DTensor's (FSDP2) local shard, else the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+class _StorageCounter:
+    """Adds up storage bytes, each storage once (keyed by device and data pointer)."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, int]] = set()
+
+    def add(self, tensors: Iterable[Any]) -> int:
+        total = 0
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = _local(tensor).untyped_storage()
+            key = (str(storage.device), storage.data_ptr())
+            if storage.nbytes() == 0 or key in self._seen:
+                continue
+            self._seen.add(key)
+            total += storage.nbytes()
+        return total
+
+
+def _optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """Tensors in the optimizer's state and in a wrapped local optimizer's (OSS, ZeRO)."""
+    optimizers: list[Any] = [optimizer]
+    inner = getattr(optimizer, "optim", None)  # OSS and ZeroRedundancyOptimizer: local shard
+    if isinstance(inner, torch.optim.Optimizer):
+        optimizers.append(inner)
+    tensors: list[Any] = []
+    for opt in optimizers:
+        for per_param in opt.state.values():
+            tensors.extend(per_param.values())
+    return tensors
+
+
+def measure_model_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> ModelState:
+    """Bytes of parameters, gradients and optimizer state that this rank holds.
+
+    Meant to be called after ``optimizer.step()`` and before ``optimizer.zero_grad()``
+    (see the module docstring for what each strategy holds there). Works on a plain
+    module and on the wrapped module of every strategy: DDP, ShardedDDP, FSDP1 (flat
+    parameter shards), FSDP2 (DTensor local shards) and FairScale FSDP; and on plain,
+    ZeroRedundancyOptimizer and OSS optimizers (their local shard). Bytes on any device
+    are counted; each storage once.
+
+    Args:
+        module: The model as trained (the wrapper, or the bare module).
+        optimizer: Its optimizer, or ``None`` to count no optimizer state.
+
+    Returns:
+        The measured :class:`~fsdp_guide.memory._state.ModelState`.
+
+    Raises:
+        TypeError: When ``module`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
+
+    Examples:
+        >>> model = nn.Linear(10, 10)  # 110 parameters
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> model(torch.ones(2, 10)).sum().backward()
+        >>> opt.step()
+        >>> measure_model_state(model, opt)  # Adam: two moments + a 4-byte step per tensor
+        ModelState(params=440, grads=440, optimizer=888, total=1768)
+        >>> measure_model_state(model)
+        ModelState(params=440, grads=440, optimizer=0, total=880)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    counter = _StorageCounter()
+    params = list(module.parameters())
+    param_buffers = [getattr(p, name, None) for p in params for name in _PARAM_BUFFERS]
+    grad_buffers = [getattr(p, name, None) for p in params for name in _GRAD_BUFFERS]
+    param_bytes = counter.add([*params, *param_buffers])
+    grad_bytes = counter.add([*(p.grad for p in params), *grad_buffers])
+    optimizer_bytes = counter.add(_optimizer_state_tensors(optimizer)) if optimizer else 0
+    return ModelState(params=param_bytes, grads=grad_bytes, optimizer=optimizer_bytes)
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """A peak memory reading and what it is.
+
+    Attributes:
+        bytes: The reading.
+        kind: ``"cuda_peak_allocated"`` (``torch.cuda.max_memory_allocated``: tensors only)
+            or ``"cpu_peak_rss"`` (the process's peak resident set: the interpreter, torch's
+            libraries and every tensor; it is not model state).
+    """
+
+    bytes: int
+    kind: Literal["cuda_peak_allocated", "cpu_peak_rss"]
+
+    @property
+    def label(self) -> str:
+        """Human-readable name of the reading.
+
+        Examples:
+            >>> PeakMemory(10**9, "cpu_peak_rss").label
+            'process peak RSS (not model state)'
+        """
+        if self.kind == "cuda_peak_allocated":
+            return "CUDA peak allocated"
+        return "process peak RSS (not model state)"
+
+
+def peak_memory(device: torch.device | str | None = None) -> PeakMemory:
+    """The peak memory of a CUDA device, or of this process on CPU.
+
+    Args:
+        device: A CUDA device to read ``max_memory_allocated`` from; ``None`` means the
+            current CUDA device when CUDA is initialised, else the CPU process.
+
+    Returns:
+        A :class:`PeakMemory`, labelled with what it measures.
+
+    Examples:
+        >>> peak = peak_memory("cpu")
+        >>> peak.kind, peak.bytes > 10_000_000
+        ('cpu_peak_rss', True)
+    """
+    if device is None:
+        use_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    else:
+        use_cuda = torch.device(device).type == "cuda"
+    if use_cuda:
+        return PeakMemory(int(torch.cuda.max_memory_allocated(device)), "cuda_peak_allocated")
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB, macOS bytes
+    return PeakMemory(int(max_rss) * scale, "cpu_peak_rss")

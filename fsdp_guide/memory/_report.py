@@ -1,0 +1,218 @@
+"""Tables and a bar chart of measured against predicted model state, per strategy and rank.
+
+Used by ``python -m fsdp_guide compare``, the benchmark and the notebooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from fsdp_guide.memory._state import ModelState
+from fsdp_guide.memory._zero import format_bytes
+
+
+@dataclass(frozen=True)
+class ComparisonRow:
+    """One rank under one strategy: what it held and what ZeRO predicts.
+
+    Attributes:
+        strategy: Strategy name.
+        rank: The rank.
+        world_size: Ranks in the run.
+        zero_stage: The strategy's textbook ZeRO stage.
+        measured: Model state measured after ``optimizer.step()``.
+        predicted: The ZeRO formula for the state held at that point.
+        step_time_s: Mean seconds per training step (not comparable across machines);
+            ``None`` when the run was not timed.
+        loss: Loss of the last step on this rank.
+        peak_bytes: Peak memory reading of the rank.
+        peak_kind: What ``peak_bytes`` is: ``"cuda_peak_allocated"`` or ``"cpu_peak_rss"``.
+    """
+
+    strategy: str
+    rank: int
+    world_size: int
+    zero_stage: int
+    measured: ModelState
+    predicted: ModelState
+    step_time_s: float | None = None
+    loss: float = float("nan")
+    peak_bytes: int = 0
+    peak_kind: str = "cpu_peak_rss"
+
+    @property
+    def ratio(self) -> float:
+        """Measured total over predicted total.
+
+        Examples:
+            >>> row = ComparisonRow("ddp", 0, 1, 0, ModelState(10, 10, 21), ModelState(10, 10, 20))
+            >>> round(row.ratio, 3)
+            1.025
+        """
+        return self.measured.total / self.predicted.total if self.predicted.total else float("nan")
+
+
+def comparison_table(
+    rows: Sequence[ComparisonRow], style: Literal["markdown", "plain"] = "markdown"
+) -> str:
+    """A table with one line per strategy and rank: measured bytes, predicted, ratio, time.
+
+    The ``ms/step`` column is shown only when at least one row was timed (a row without a
+    time shows ``-`` in it).
+
+    Args:
+        rows: The rows to show.
+        style: ``"markdown"`` (pipes, for notebooks and reports) or ``"plain"`` (aligned
+            columns, for a terminal).
+
+    Returns:
+        The table as text, without a trailing newline.
+
+    Examples:
+        >>> row = ComparisonRow(
+        ...     "oss", 1, 2, 1, ModelState(4000, 4000, 4008), ModelState(4000, 4000, 4000), 0.012
+        ... )
+        >>> header, rule, line = comparison_table([row]).splitlines()
+        >>> print(line)
+        | oss | 1 | 1 | 4.00 KB | 4.00 KB | 4.01 KB | 12.01 KB | 12.00 KB | 1.001 | 12.0 |
+        >>> print(comparison_table([row], style="plain"))
+        strategy  ZeRO  rank  params   grads    optimizer  measured  predicted  ratio  ms/step
+        oss       1     1     4.00 KB  4.00 KB  4.01 KB    12.01 KB  12.00 KB   1.001  12.0
+
+        Rows that were not timed get no ``ms/step`` column:
+
+        >>> untimed = ComparisonRow("ddp", 0, 1, 0, ModelState(4, 4, 8), ModelState(4, 4, 8))
+        >>> print(comparison_table([untimed], style="plain"))
+        strategy  ZeRO  rank  params  grads  optimizer  measured  predicted  ratio
+        ddp       0     0     4 B     4 B    8 B        16 B      16 B       1.000
+    """
+    header = ["strategy", "ZeRO", "rank", "params", "grads", "optimizer", "measured"]
+    header += ["predicted", "ratio"]
+    timed = any(row.step_time_s is not None for row in rows)
+    if timed:
+        header.append("ms/step")
+    body = [
+        [
+            row.strategy,
+            str(row.zero_stage),
+            str(row.rank),
+            format_bytes(row.measured.params),
+            format_bytes(row.measured.grads),
+            format_bytes(row.measured.optimizer),
+            format_bytes(row.measured.total),
+            format_bytes(row.predicted.total),
+            f"{row.ratio:.3f}",
+        ]
+        + ([_milliseconds(row.step_time_s)] if timed else [])
+        for row in rows
+    ]
+    if style == "markdown":
+        lines = [header, ["---"] * len(header), *body]
+        return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+    if style != "plain":
+        raise ValueError(f"unknown style {style!r}; choose 'markdown' or 'plain'")
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    text_lines = [
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *body]
+    ]
+    return "\n".join(line.rstrip() for line in text_lines)
+
+
+def _milliseconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def rows_as_json(rows: Sequence[ComparisonRow]) -> list[dict[str, Any]]:
+    """Rows as JSON-ready dicts (byte counts as integers).
+
+    Examples:
+        >>> row = ComparisonRow("ddp", 0, 1, 0, ModelState(4, 4, 8), ModelState(4, 4, 8))
+        >>> rows_as_json([row])[0]["measured"]
+        {'params': 4, 'grads': 4, 'optimizer': 8, 'total': 16}
+    """
+    return [
+        {
+            "strategy": row.strategy,
+            "rank": row.rank,
+            "world_size": row.world_size,
+            "zero_stage": row.zero_stage,
+            "measured": row.measured.as_dict(),
+            "predicted": row.predicted.as_dict(),
+            "ratio": row.ratio,
+            "step_time_s": row.step_time_s,
+            "loss": row.loss,
+            "peak_bytes": row.peak_bytes,
+            "peak_kind": row.peak_kind,
+        }
+        for row in rows
+    ]
+
+
+def plot_comparison(rows: Sequence[ComparisonRow], path: str | Path | None = None) -> Any:
+    """Bar chart: measured bytes per strategy and rank (stacked by kind) next to the prediction.
+
+    matplotlib is imported here, with the non-interactive Agg backend when saving to a file
+    outside a notebook.
+
+    Args:
+        rows: The rows to draw.
+        path: Where to write a PNG; ``None`` to only return the figure.
+
+    Returns:
+        The matplotlib ``Figure``.
+
+    Examples:
+        >>> import tempfile, os
+        >>> row = ComparisonRow("fsdp", 0, 2, 3, ModelState(2, 2, 4), ModelState(2, 2, 4))
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     fig = plot_comparison([row], os.path.join(tmp, "memory.png"))
+        ...     os.path.getsize(os.path.join(tmp, "memory.png")) > 0
+        True
+    """
+    import matplotlib
+
+    if path is not None and "ipykernel" not in matplotlib.get_backend().lower():
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{row.strategy}\nrank {row.rank}" for row in rows]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.5))
+    bottom = [0.0] * len(rows)
+    for kind, color in (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868")):
+        heights = [getattr(row.measured, kind) / 1e6 for row in rows]
+        ax.bar(
+            [x - 0.2 for x in xs],
+            heights,
+            0.4,
+            bottom=bottom,
+            color=color,
+            label=f"measured {kind}",
+        )
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    predicted = [row.predicted.total / 1e6 for row in rows]
+    ax.bar(
+        [x + 0.2 for x in xs],
+        predicted,
+        0.4,
+        color="#cccccc",
+        edgecolor="black",
+        hatch="//",
+        label="ZeRO prediction",
+    )
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_ylabel("model state per rank (MB)")
+    world = sorted({row.world_size for row in rows})
+    ax.set_title(
+        f"Model state per rank, measured vs predicted (world size {', '.join(map(str, world))})"
+    )
+    # Beside the axes, not inside: full-height bars would hide under it.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+    return fig

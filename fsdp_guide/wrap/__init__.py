@@ -1,0 +1,84 @@
+"""Wrapping and activation checkpointing for every engine: the public entry point.
+
+How a model is cut into FSDP units decides peak memory and how communication overlaps
+compute; activation checkpointing trades recomputation for activation memory. This module
+gathers the helpers, which live in smaller modules:
+
+* policies (:mod:`fsdp_guide.wrap._policy`): :class:`SizePolicy`, :class:`LayerPolicy`,
+  their union ``a | b`` / :func:`any_of`, usable with FairScale, FSDP1 and FSDP2;
+* sharding: :func:`shard` with a policy (:mod:`fsdp_guide.wrap._engines`), and manual
+  wrapping with :func:`wrapping` and :func:`wrap` (:mod:`fsdp_guide.wrap._manual`);
+* :func:`checkpoint_layers` and :func:`saved_activation_bytes`
+  (:mod:`fsdp_guide.wrap._activations`);
+* :func:`describe` and :func:`sharded_units` (:mod:`fsdp_guide.wrap._inspect`);
+* :func:`check_optimizer` (:mod:`fsdp_guide.wrap._optimizer_check`).
+
+Examples:
+    >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
+    >>> from fsdp_guide.wrap import LayerPolicy, describe
+    >>> model = TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2))
+    >>> print(describe(model, policy=LayerPolicy(Block), max_depth=2))
+    (root): TinyTransformer  [unit: planned, 17,472 params]
+      tok_emb: Embedding
+      pos_emb: Embedding
+      blocks: ModuleList
+        0: Block  [unit: planned, 12,704 params]
+        1: Block  [unit: planned, 12,704 params]
+      ln_f: LayerNorm
+      head: Linear
+"""
+
+from __future__ import annotations
+
+from fsdp_guide.errors import EngineUnavailableError, OptimizerMismatchError
+from fsdp_guide.wrap._activations import (
+    CheckpointImplementation,
+    checkpoint_layers,
+    checkpointed_names,
+    saved_activation_bytes,
+)
+from fsdp_guide.wrap._engines import ENGINES, Engine, check_engine, shard
+from fsdp_guide.wrap._inspect import (
+    ModuleNode,
+    describe,
+    is_checkpointed,
+    module_tree,
+    sharded_units,
+)
+from fsdp_guide.wrap._manual import wrap, wrapping
+from fsdp_guide.wrap._optimizer_check import check_optimizer
+from fsdp_guide.wrap._policy import (
+    AnyOf,
+    LayerPolicy,
+    SizePolicy,
+    WrapPolicy,
+    any_of,
+    selected_modules,
+)
+
+__all__ = [
+    "ENGINES",
+    "AnyOf",
+    "CheckpointImplementation",
+    "Engine",
+    "EngineUnavailableError",
+    "LayerPolicy",
+    "ModuleNode",
+    "OptimizerMismatchError",
+    "SizePolicy",
+    "WrapPolicy",
+    "any_of",
+    "check_engine",
+    "check_optimizer",
+    "checkpoint_layers",
+    "checkpointed_names",
+    "describe",
+    "is_checkpointed",
+    "module_tree",
+    "saved_activation_bytes",
+    "selected_modules",
+    "shard",
+    "sharded_units",
+    "wrap",
+    "wrapping",
+]

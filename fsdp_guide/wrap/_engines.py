@@ -1,0 +1,201 @@
+"""Shard a model with one of three engines: :func:`shard`.
+
+``"fairscale"`` is FairScale's ``FullyShardedDataParallel`` (CUDA only), ``"torch"`` is PyTorch's
+FSDP1 ``FullyShardedDataParallel``, ``"fsdp2"`` is PyTorch's ``fully_shard``. :func:`shard`
+wraps a whole model following a :class:`~fsdp_guide.wrap._policy.WrapPolicy`; manual wrapping
+lives in :mod:`fsdp_guide.wrap._manual`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from fsdp_guide.errors import EngineUnavailableError
+from fsdp_guide.wrap._policy import WrapPolicy, selected_modules
+
+Engine = Literal["fairscale", "torch", "fsdp2"]
+ENGINES: tuple[str, ...] = ("fairscale", "torch", "fsdp2")
+
+
+def check_engine(engine: object) -> str:
+    """Validate an engine name against this machine.
+
+    Args:
+        engine: ``"fairscale"``, ``"torch"`` or ``"fsdp2"``.
+
+    Returns:
+        The engine name.
+
+    Raises:
+        ValueError: For an unknown name.
+        EngineUnavailableError: For ``"fairscale"`` without CUDA.
+
+    Examples:
+        >>> check_engine("fsdp2")
+        'fsdp2'
+        >>> check_engine("deepspeed")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown engine 'deepspeed'; choose one of 'fairscale', 'torch', 'fsdp2'
+    """
+    if engine not in ENGINES:
+        choices = ", ".join(repr(e) for e in ENGINES)
+        raise ValueError(f"unknown engine {engine!r}; choose one of {choices}")
+    if engine == "fairscale" and not torch.cuda.is_available():
+        raise EngineUnavailableError(
+            "engine 'fairscale' (FairScale's FullyShardedDataParallel) needs CUDA, and no GPU "
+            "is visible; on CPU use engine='torch' (PyTorch FSDP1) or engine='fsdp2' "
+            "(PyTorch fully_shard)"
+        )
+    return str(engine)
+
+
+def _check_process_group(what: str) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{what} needs a torch.distributed process group: call it inside a function run "
+            "by fsdp_guide.launch(fn, world_size, backend='gloo') (or under torchrun, or "
+            "after torch.distributed.init_process_group)"
+        )
+
+
+def _torch_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    # FSDP1 needs to be told which device to run on; on CPU that is the CPU itself.
+    if torch.cuda.is_available():
+        options.setdefault("device_id", torch.device("cuda", torch.cuda.current_device()))
+    else:
+        options.setdefault("device_id", torch.device("cpu"))
+    return options
+
+
+def _fsdp2_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    if options.get("mesh") is None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        options["mesh"] = init_device_mesh(device, (dist.get_world_size(),))
+    return options
+
+
+def _has_units(module: nn.Module) -> bool:
+    from fsdp_guide.wrap._inspect import unit_engine
+
+    return any(unit_engine(m) is not None for m in module.modules())
+
+
+def shard(
+    module: nn.Module,
+    engine: Engine = "torch",
+    policy: WrapPolicy | None = None,
+    **engine_options: Any,
+) -> nn.Module:
+    """Shard ``module`` with ``engine``: units chosen by ``policy``, then the root.
+
+    Call it on every rank, inside a function run by :func:`fsdp_guide.launch`. Without a
+    policy only the root becomes a unit (plus any units made by hand with
+    :func:`~fsdp_guide.wrap._manual.wrap`).
+    Build the optimizer afterwards, from the returned model's parameters
+    (:func:`fsdp_guide.wrap.check_optimizer` catches the opposite).
+
+    Args:
+        module: The model; every rank must build it with the same weights.
+        engine: ``"torch"`` (FSDP1, gets ``device_id`` = the CPU or the current GPU),
+            ``"fsdp2"`` (``fully_shard`` on a 1-D device mesh over all ranks, gloo CPU mesh
+            on CPU) or ``"fairscale"`` (CUDA only).
+        policy: Which submodules become units of their own.
+        **engine_options: Passed to the engine's wrapper (e.g. ``sharding_strategy`` for
+            FSDP1, ``reshard_after_forward`` or ``mesh`` for FSDP2, ``mixed_precision`` for
+            FairScale).
+
+    Returns:
+        The sharded model: a new wrapper for ``"torch"`` and ``"fairscale"``, ``module``
+        itself (changed in place) for ``"fsdp2"``.
+
+    Raises:
+        ValueError: Unknown engine; a policy given for a model that already has units;
+            ``auto_wrap_policy`` among the engine options.
+        EngineUnavailableError: ``"fairscale"`` without CUDA (raised before anything else).
+        TypeError: ``module`` is not a Module or ``policy`` not a WrapPolicy.
+        RuntimeError: No process group is initialised.
+
+    Examples:
+        Sharding needs a process group; the checks run before anything happens:
+
+        >>> shard(nn.Linear(2, 2), engine="fsdp2")
+        Traceback (most recent call last):
+        ...
+        RuntimeError: shard() needs a torch.distributed process group: call it inside ...
+
+        On ranks (here a single one, in this process), each Block becomes a unit:
+
+        >>> import torch.distributed as dist
+        >>> from fsdp_guide import dist_init, find_free_port
+        >>> from fsdp_guide.wrap._inspect import sharded_units
+        >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
+        >>> from fsdp_guide.wrap._policy import LayerPolicy
+        >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())
+        >>> model = TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2))
+        >>> model = shard(model, engine="fsdp2", policy=LayerPolicy(Block))
+        >>> sharded_units(model)
+        {'': ('fsdp2', 17472), 'blocks.0': ('fsdp2', 12704), 'blocks.1': ('fsdp2', 12704)}
+        >>> dist.destroy_process_group()
+    """
+    check_engine(engine)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
+    if policy is not None and not isinstance(policy, WrapPolicy):
+        raise TypeError(
+            f"policy must be a WrapPolicy such as SizePolicy(100_000) or LayerPolicy(Block), "
+            f"got {policy!r}"
+        )
+    if "auto_wrap_policy" in engine_options:
+        raise ValueError(
+            "pass the wrap policy as policy=SizePolicy(...) / LayerPolicy(...), not as "
+            "auto_wrap_policy: shard() converts it for the engine"
+        )
+    if policy is not None and _has_units(module):
+        raise ValueError(
+            "this model already has FSDP units (wrapped by hand); auto wrapping needs an "
+            "unwrapped model. Pass policy=None to only wrap the root, or drop the manual wraps"
+        )
+    _check_process_group("shard()")
+    options = dict(engine_options)
+    if engine == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        options = _torch_defaults(options)
+        auto_wrap_policy = policy.for_torch() if policy is not None else None
+        return FullyShardedDataParallel(module, auto_wrap_policy=auto_wrap_policy, **options)
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        options = _fsdp2_defaults(options)
+        units = selected_modules(module, policy) if policy is not None else []
+        for _, unit in units:  # children before parents, as fully_shard requires
+            fully_shard(unit, **options)
+        fully_shard(module, **options)
+        return module
+    return _shard_fairscale(module, policy, options)
+
+
+def _shard_fairscale(
+    module: nn.Module, policy: WrapPolicy | None, options: dict[str, Any]
+) -> nn.Module:
+    from fairscale.nn import FullyShardedDataParallel
+    from fairscale.nn.wrap import auto_wrap, enable_wrap
+
+    if policy is not None:
+        with enable_wrap(
+            wrapper_cls=FullyShardedDataParallel,
+            auto_wrap_policy=policy.for_fairscale(),
+            **options,
+        ):
+            module = auto_wrap(module)
+    wrapped: nn.Module = FullyShardedDataParallel(module, **options)
+    return wrapped

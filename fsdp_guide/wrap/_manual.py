@@ -1,0 +1,135 @@
+"""Manual wrapping: :func:`wrapping` and :func:`wrap`.
+
+Model code marks its units with :func:`wrap`. Inside a :func:`wrapping` block each marked
+module is sharded with the block's engine and options; outside one, :func:`wrap` returns the
+module unchanged, so the same model code runs sharded or not (the idea behind Lightning's
+``configure_sharded_model`` hook).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from fsdp_guide.wrap._engines import (
+    Engine,
+    _check_process_group,
+    _fsdp2_defaults,
+    _torch_defaults,
+    check_engine,
+)
+
+
+@dataclass
+class _WrapContext:
+    engine: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+_ACTIVE: ContextVar[_WrapContext | None] = ContextVar("fsdp_guide_wrap_context", default=None)
+
+
+@contextlib.contextmanager
+def wrapping(engine: Engine = "torch", **engine_options: Any) -> Iterator[None]:
+    """Make :func:`wrap` shard modules with ``engine`` and ``engine_options`` inside the block.
+
+    For ``"torch"`` and ``"fairscale"`` this also enters the library's own ``enable_wrap``
+    context, so model code that calls ``torch.distributed.fsdp.wrap.wrap`` or
+    ``fairscale.nn.wrap.wrap`` directly is covered too. Wrap the root last (``wrap(model)``
+    inside the block, or :func:`~fsdp_guide.wrap._engines.shard` with no policy after it).
+
+    Args:
+        engine: ``"torch"``, ``"fsdp2"`` or ``"fairscale"``.
+        **engine_options: As for :func:`fsdp_guide.wrap._engines.shard`.
+
+    Raises:
+        ValueError: Unknown engine.
+        EngineUnavailableError: ``"fairscale"`` without CUDA.
+        RuntimeError: No process group, or already inside a :func:`wrapping` block.
+
+    Examples:
+        On a single rank, in this process:
+
+        >>> import torch.distributed as dist
+        >>> from fsdp_guide import dist_init, find_free_port
+        >>> from fsdp_guide.wrap._inspect import describe
+        >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> with wrapping(engine="fsdp2"):
+        ...     model[0] = wrap(model[0])
+        ...     model = wrap(model)
+        >>> print(describe(model))
+        (root): Sequential  [unit: fsdp2, 18 params]
+          0: Linear  [unit: fsdp2, 72 params]
+          1: ReLU
+          2: Linear
+        >>> dist.destroy_process_group()
+    """
+    check_engine(engine)
+    if _ACTIVE.get() is not None:
+        raise RuntimeError("wrapping() blocks do not nest; leave the active block first")
+    _check_process_group("wrapping()")
+    options = dict(engine_options)
+    library_context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if engine == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import enable_wrap as torch_enable_wrap
+
+        options = _torch_defaults(options)
+        library_context = torch_enable_wrap(wrapper_cls=FullyShardedDataParallel, **options)
+    elif engine == "fairscale":
+        from fairscale.nn import FullyShardedDataParallel as FairScaleFSDP
+        from fairscale.nn.wrap import enable_wrap as fairscale_enable_wrap
+
+        library_context = fairscale_enable_wrap(wrapper_cls=FairScaleFSDP, **options)
+    else:
+        options = _fsdp2_defaults(options)
+    token = _ACTIVE.set(_WrapContext(engine, options))
+    try:
+        with library_context:
+            yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
+    """Shard ``module`` as one unit inside a :func:`wrapping` block; return it unchanged outside.
+
+    It dispatches on the block's engine, so it avoids a trap of mixing libraries: PyTorch's
+    ``torch.distributed.fsdp.wrap.wrap`` inside FairScale's ``enable_wrap`` (or the other
+    way round) silently returns the module unwrapped.
+
+    Args:
+        module: The module to make a unit.
+        **overrides: Engine options for this unit only, over those of the block.
+
+    Returns:
+        The wrapper (``"torch"``, ``"fairscale"``), the module sharded in place (``"fsdp2"``),
+        or ``module`` itself outside a block.
+
+    Examples:
+        >>> layer = nn.Linear(2, 2)
+        >>> wrap(layer) is layer  # no active wrapping() block: nothing happens
+        True
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return module
+    if active.engine == "torch":
+        from torch.distributed.fsdp.wrap import wrap as torch_wrap
+
+        return torch_wrap(module, **overrides)
+    if active.engine == "fairscale":
+        from fairscale.nn.wrap import wrap as fairscale_wrap
+
+        wrapped: nn.Module = fairscale_wrap(module, **overrides)
+        return wrapped
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, **{**active.options, **overrides})
+    return module
