@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fsdp_guide.catalog import STRATEGIES
 from fsdp_guide.compare import run_comparison
-from fsdp_guide.compare._strategies import STRATEGIES
 from fsdp_guide.launcher import launch
 from fsdp_guide.memory import ComparisonRow, ModelState, measure_model_state
 from fsdp_guide.models import build_model, count_params, loss_fn, shard_batch, synthetic_batch

@@ -51,19 +51,28 @@ def test_fp32_sgd(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "--params is required"),
-        (["--params", "0"], "--params must be a positive count"),
-        (["--params=-7e9"], "--params must be a positive count"),
-        (["--params", "lots"], "--params must be a positive count"),
-        (["--params", "1e400"], "--params must be a positive count"),
-        (["--params", "1e-9"], "--params must be a positive count"),
+        ([], "the following arguments are required: --params"),
+        (["--params", "0"], "argument --params: must be a positive count"),
+        (["--params=-7e9"], "argument --params: must be a positive count"),
+        (["--params", "lots"], "argument --params: must be a positive count"),
+        (["--params", "1e400"], "argument --params: must be a positive count"),
+        (["--params", "1e-9"], "argument --params: must be a positive count"),
         (["--params", "7e9", "--gpu-memory", "1e400GB"], "size '1e400GB' is too large"),
-        (["--params", "7e9", "--world-size", "0"], "--world-size must be an integer >= 1"),
-        (["--params", "7e9", "--world-size", "two"], "--world-size must be an integer >= 1"),
+        (
+            ["--params", "7e9", "--world-size", "0"],
+            "argument --world-size: must be an integer >= 1",
+        ),
+        (
+            ["--params", "7e9", "--world-size", "two"],
+            "argument --world-size: must be an integer >= 1",
+        ),
         (["--params", "7e9", "--gpu-memory", "big"], "cannot read 'big' as a size"),
-        (["--params", "7e9", "--gpu-memory", "0GB"], "--gpu-memory must be positive"),
-        (["--params", "7e9", "--precision", "fp8"], "unknown precision 'fp8'"),
-        (["--params", "7e9", "--optimizer", "lamb"], "unknown optimizer 'lamb'"),
+        (["--params", "7e9", "--gpu-memory", "0GB"], "argument --gpu-memory: must be positive"),
+        (["--params", "7e9", "--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+        (
+            ["--params", "7e9", "--optimizer", "lamb"],
+            "argument --optimizer: invalid choice: 'lamb'",
+        ),
     ],
 )
 def test_bad_input_one_line_exit_2(
@@ -83,6 +92,6 @@ def test_module_entry_point_exit_status() -> None:
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
-        "fsdp_guide estimate: error: --params must be a positive count such as 7e9, 7B or 350M, "
-        "got 'nope'"
+        "fsdp_guide estimate: error: argument --params: must be a positive count such as 7e9, "
+        "7B or 350M, got 'nope' (see: fsdp_guide estimate --help)"
     ]

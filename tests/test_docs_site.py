@@ -473,7 +473,9 @@ def test_migration_page_maps_old_names(site: Path, old_name: str) -> None:
 
 
 def _extension(name: str) -> ModuleType:
-    """docs/_ext/<name>.py, loaded from its file."""
+    """docs/_ext/<name>.py, loaded from its file (with docs/_ext importable, as Sphinx has it)."""
+    if str(DOCS / "_ext") not in sys.path:
+        sys.path.insert(0, str(DOCS / "_ext"))
     spec = importlib.util.spec_from_file_location(name, DOCS / "_ext" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -139,7 +139,7 @@ def test_full_grads_and_rounding_up() -> None:
         ({"world_size": 0}, "world_size must be an int >= 1"),
         ({"world_size": 2.5}, "world_size must be an int >= 1"),
         ({"stage": 4}, "unknown stage 4"),
-        ({"stage": "zero3"}, "unknown stage 'zero3'"),
+        ({"stage": "zero4"}, "unknown stage 'zero4'"),
         ({"precision": "bf16"}, "unknown precision 'bf16'"),
         ({"optimizer": "lamb"}, "unknown optimizer 'lamb'"),
     ],

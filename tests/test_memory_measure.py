@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_guide.compare._strategies import STRATEGIES, wrap_for_strategy
+from fsdp_guide.catalog import STRATEGIES, wrap_for_strategy
 from fsdp_guide.launcher import launch
 from fsdp_guide.memory import measure_model_state
 from fsdp_guide.models import build_model, loss_fn, shard_batch, synthetic_batch

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_guide.compare._strategies import STRATEGIES, check_strategies
+from fsdp_guide.catalog import STRATEGIES, check_strategies
 from fsdp_guide.memory import (
     ComparisonRow,
     ModelState,

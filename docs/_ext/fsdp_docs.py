@@ -29,6 +29,8 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
+from fsdp_refs import public_home
+
 DOCS_DIR = Path(__file__).resolve().parent.parent
 REPO_DIR = DOCS_DIR.parent
 PACKAGE = "fsdp_guide"
@@ -82,10 +84,14 @@ def defining_module(module_name: str, name: str, modules: list[str]) -> str | No
     """The other public module that documents ``name`` of ``module_name``, if it is a re-export.
 
     A name counts as re-exported when its object was defined in another public module
-    that lists it too; it is then documented once, there, and linked from here.
+    that lists it too; it is then documented once, there, and linked from here. An object
+    defined in a private module (``fsdp_guide.memory._state``) is at home in the façade of
+    its package (``fsdp_guide.memory``), which re-exports it.
     """
     value = getattr(importlib.import_module(module_name), name, None)
     origin = getattr(value, "__module__", None)
+    if isinstance(origin, str):
+        origin = public_home(origin)
     if not isinstance(origin, str) or origin == module_name or origin not in modules:
         return None
     return origin if name in public_names(origin) else None

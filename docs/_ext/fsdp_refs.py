@@ -33,6 +33,21 @@ def _lookup(dotted: str) -> Any:
     return None
 
 
+def public_home(module: str) -> str:
+    """The public module documenting what ``module`` defines: the part before any ``_`` name.
+
+    Private modules (``fsdp_guide.memory._state``) are not in the API reference; their
+    package's façade (``fsdp_guide.memory``) re-exports and documents what they define.
+
+    Examples:
+        >>> public_home("fsdp_guide.memory._state"), public_home("fsdp_guide.errors")
+        ('fsdp_guide.memory', 'fsdp_guide.errors')
+    """
+    parts = module.split(".")
+    first_private = next((i for i, p in enumerate(parts) if p.startswith("_")), len(parts))
+    return ".".join(parts[:first_private])
+
+
 def resolve_through_python(app: Any, env: Any, node: Any, contnode: Any) -> Any:
     """Resolve a reference to one of our names the way Python would (``missing-reference``).
 
@@ -55,7 +70,7 @@ def resolve_through_python(app: Any, env: Any, node: Any, contnode: Any) -> Any:
         qualname = getattr(value, "__qualname__", None)
         if not isinstance(origin, str) or not isinstance(qualname, str):
             continue
-        canonical = f"{origin}.{qualname}"
+        canonical = f"{public_home(origin)}.{qualname}"
         if canonical == candidate or not canonical.startswith(f"{PACKAGE}."):
             continue
         for role in (node["reftype"], "obj"):

@@ -29,10 +29,10 @@ Two formats:
     the previous checkpoint; older ``data-*`` directories are then removed. It loads only
     at the world size that saved it; :func:`consolidate` (or ``python -m fsdp_guide
     consolidate SRC DST``) turns it into a full checkpoint. See
-    :mod:`fsdp_guide.checkpoint._dir` and :mod:`fsdp_guide.checkpoint._shards`.
+    ``fsdp_guide/checkpoint/_dir.py`` and ``fsdp_guide/checkpoint/_shards.py``.
 
 Files are written beside their target, flushed, ``fsync``-ed and renamed into place, and
-read with ``torch.load(weights_only=True)``: see :mod:`fsdp_guide.checkpoint._io`. Any
+read with ``torch.load(weights_only=True)``: see ``fsdp_guide/checkpoint/_io.py``. Any
 failure on one rank makes every rank raise the same :class:`CheckpointError`, so no rank is
 left waiting in a collective and nothing is loaded partially.
 """

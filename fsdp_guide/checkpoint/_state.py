@@ -7,7 +7,7 @@ keyed by parameter name instead of position, so it loads into any strategy at an
 size. A *sharded* state is what one rank holds (PyTorch FSDP1 and FSDP2 through
 :mod:`torch.distributed.checkpoint.state_dict`; FairScale FSDP through its local state
 dict), with the offset of each shard in its whole tensor so shards can be stitched together
-offline (:mod:`fsdp_guide.checkpoint._shards`).
+offline (``fsdp_guide/checkpoint/_shards.py``).
 """
 
 from __future__ import annotations

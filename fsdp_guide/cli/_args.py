@@ -1,62 +1,102 @@
-"""Reading command-line values into typed numbers, with one-line errors (private helpers).
+"""argparse ``type=`` callables for the command line: counts, sizes, strategy lists (private).
 
-Arguments are read as text and checked here rather than by argparse's ``type=``, so bad
-input always gives one line on stderr and exit status 2.
+argparse calls them and turns their :class:`argparse.ArgumentTypeError` into its own error,
+which the one-line parser prints as one line on stderr with exit status 2.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
+from collections.abc import Callable
 
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*$")
 _COUNT_SCALE = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
 
-def parse_int(option: str, text: str, minimum: int) -> int:
-    """An integer option value, at least ``minimum``.
-
-    Raises:
-        ValueError: With a message naming the option and the fix.
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """A ``type=`` for integers of at least ``minimum``.
 
     Examples:
-        >>> parse_int("--steps", "3", 1)
+        >>> int_at_least(1)("3")
         3
-        >>> parse_int("--world-size", "0", 1)
+        >>> int_at_least(1)("0")
         Traceback (most recent call last):
         ...
-        ValueError: --world-size must be an integer >= 1, got '0'
+        argparse.ArgumentTypeError: must be an integer >= 1, got '0'
     """
-    try:
-        value = int(text)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise ValueError(f"{option} must be an integer >= {minimum}, got {text!r}")
-    return value
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
 
 
-def parse_count(option: str, text: str) -> float:
-    """A positive count such as ``7e9``, ``7B``, ``1.3B`` or ``350M`` (powers of 1000).
-
-    Raises:
-        ValueError: For text that is not a positive count.
+def count(text: str) -> float:
+    """A ``type=`` for a positive count such as ``7e9``, ``7B``, ``1.3B`` or ``350M``.
 
     Examples:
-        >>> parse_count("--params", "7e9"), parse_count("--params", "1.5B")
+        >>> count("7e9"), count("1.5B")
         (7000000000.0, 1500000000.0)
-        >>> parse_count("--params", "-3")
+        >>> count("1e400")
         Traceback (most recent call last):
         ...
-        ValueError: --params must be a positive count such as 7e9, 7B or 350M, got '-3'
-        >>> parse_count("--params", "1e400")
-        Traceback (most recent call last):
-        ...
-        ValueError: --params must be a positive count such as 7e9, 7B or 350M, got '1e400'
+        argparse.ArgumentTypeError: must be a positive count such as 7e9, 7B or 350M, got '1e400'
     """
     match = _COUNT_RE.match(text)
     value = float(match.group(1)) * _COUNT_SCALE[match.group(2).lower()] if match else 0.0
     # Below 1 is no count of parameters; an overflow (1e400) reads as infinity.
     if not 1 <= value < math.inf:
-        raise ValueError(f"{option} must be a positive count such as 7e9, 7B or 350M, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be a positive count such as 7e9, 7B or 350M, got {text!r}"
+        )
     return value
+
+
+def positive_size(text: str) -> int:
+    """A ``type=`` for a memory size such as ``80GB`` or ``24GiB``, in bytes, above zero.
+
+    Examples:
+        >>> positive_size("80GB")
+        80000000000
+        >>> positive_size("0GB")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: must be positive, got '0GB'
+    """
+    from fsdp_guide.memory._zero import parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return size
+
+
+def strategy_list(text: str) -> list[str]:
+    """A ``type=`` for comma-separated strategy names (or aliases) of the catalog.
+
+    Examples:
+        >>> strategy_list("ddp, fsdp1")
+        ['ddp', 'fsdp']
+        >>> strategy_list("ddp,zero4")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: unknown strategy 'zero4'; choose from ddp, zero1, oss, ...
+    """
+    from fsdp_guide.catalog import check_strategies
+
+    try:
+        specs = check_strategies([n.strip() for n in text.split(",") if n.strip()])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return [spec.name for spec in specs]

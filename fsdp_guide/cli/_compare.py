@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
+
+from fsdp_guide.cli._args import int_at_least, strategy_list
+from fsdp_guide.models import ModelName
 
 
 def add_parser(sub: Any) -> None:
@@ -22,12 +25,19 @@ def add_parser(sub: Any) -> None:
         "and print, per strategy and rank, the model-state bytes measured after "
         "optimizer.step(), the ZeRO prediction, their ratio and the time per step.",
     )
-    p.add_argument("--world-size", default="2", help="ranks per run (default 2)")
-    p.add_argument("--model", default="transformer", help="transformer (default) or mlp")
-    p.add_argument("--steps", default="3", help="training steps per strategy (default 3)")
-    p.add_argument("--batch-size", default="8", help="global batch size (default 8)")
+    p.add_argument(
+        "--world-size", type=int_at_least(1), default=2, help="ranks per run (default 2)"
+    )
+    p.add_argument("--model", choices=get_args(ModelName), default="transformer")
+    p.add_argument(
+        "--steps", type=int_at_least(1), default=3, help="training steps per strategy (default 3)"
+    )
+    p.add_argument(
+        "--batch-size", type=int_at_least(1), default=8, help="global batch size (default 8)"
+    )
     p.add_argument(
         "--strategies",
+        type=strategy_list,
         default=None,
         help="comma-separated names (default: ddp,oss,sharded_ddp,fsdp,fsdp2, plus "
         "fairscale_fsdp with a GPU per rank); all: " + ", ".join(_strategy_names()),
@@ -38,7 +48,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _strategy_names() -> list[str]:
-    from fsdp_guide.compare._strategies import STRATEGIES
+    from fsdp_guide.catalog import STRATEGIES
 
     return list(STRATEGIES)
 
@@ -46,7 +56,7 @@ def _strategy_names() -> list[str]:
 def _default_strategies(world_size: int) -> list[str]:
     import torch
 
-    from fsdp_guide.compare._strategies import DEFAULT_STRATEGIES
+    from fsdp_guide.catalog import DEFAULT_STRATEGIES
 
     # FairScale FSDP runs on NCCL with one GPU per rank: add it where there are enough GPUs.
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -77,22 +87,13 @@ def _check_output_path(option: str, path: str) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from fsdp_guide.cli import CommandError
-    from fsdp_guide.cli._args import parse_int
     from fsdp_guide.compare._runs import run_comparison
     from fsdp_guide.errors import LaunchError
     from fsdp_guide.memory._report import comparison_table, plot_comparison, rows_as_json
 
     try:
-        world_size = parse_int("--world-size", args.world_size, 1)
-        steps = parse_int("--steps", args.steps, 1)
-        batch_size = parse_int("--batch-size", args.batch_size, 1)
-        if args.model not in ("transformer", "mlp"):
-            raise ValueError(f"unknown model {args.model!r}; choose transformer or mlp")
-        names = (
-            [n.strip() for n in args.strategies.split(",") if n.strip()]
-            if args.strategies is not None
-            else _default_strategies(world_size)
-        )
+        world_size, steps, batch_size = args.world_size, args.steps, args.batch_size
+        names = args.strategies if args.strategies is not None else _default_strategies(world_size)
         for option, path in (("--json", args.json), ("--plot", args.plot)):
             if path:
                 _check_output_path(option, path)

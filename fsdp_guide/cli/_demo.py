@@ -5,23 +5,22 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from fsdp_guide.cli._args import int_at_least
+
 
 def add_parser(sub: Any) -> None:
     """Register the ``demo`` command."""
     p: argparse.ArgumentParser = sub.add_parser(
         "demo", help="launch ranks on gloo, all-reduce, print what each saw"
     )
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--world-size", type=int_at_least(1), default=2)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fsdp_guide.cli import CommandError
     from fsdp_guide.examples import hello
     from fsdp_guide.launcher._launch import launch
 
-    if args.world_size < 1:
-        raise CommandError(f"--world-size must be >= 1, got {args.world_size}")
     results = launch(hello, world_size=args.world_size, backend="gloo")
     print(f"launched {len(results)} ranks; rank sums: {[r['rank_sum'] for r in results]}")
     return 0

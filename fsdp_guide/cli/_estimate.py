@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, get_args
 
-_STAGES = (
-    (0, "nothing", "ddp"),
-    (1, "optimizer state", "oss/zero1"),
-    (2, "+ gradients", "sharded_ddp"),
-    (3, "+ parameters", "fsdp/fsdp2"),
-)
+from fsdp_guide.cli._args import count, int_at_least, positive_size
+from fsdp_guide.memory._zero import OptimizerName, Precision
+
+_SHARDS = ("nothing", "optimizer state", "+ gradients", "+ parameters")
+
+
+def _strategies_of_stage(stage: int) -> str:
+    """Names of the catalog at a stage; variants of one mechanism (buckets, hybrid) left out."""
+    from fsdp_guide.catalog import STRATEGIES
+
+    names = [
+        s.name
+        for s in STRATEGIES.values()
+        if s.zero_stage == stage and not (s.full_grads or s.hybrid)
+    ]
+    return ", ".join(names)
 
 
 def add_parser(sub: Any) -> None:
@@ -21,12 +31,17 @@ def add_parser(sub: Any) -> None:
         description="Bytes of parameters, gradients and optimizer state per rank that the "
         "ZeRO formulas predict, for stages 0-3 (activations and buffers not included).",
     )
-    # Checked in _run, not by argparse (required=True), so a missing count is one line too.
-    p.add_argument("--params", default=None, help="parameter count, e.g. 7e9, 7B, 350M (required)")
-    p.add_argument("--world-size", default="8", help="number of GPUs (ranks); default 8")
-    p.add_argument("--precision", default="mixed", help="mixed (default) or fp32")
-    p.add_argument("--optimizer", default="adam", help="adam (default), sgd or sgd_momentum")
-    p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 80GB: show what fits")
+    p.add_argument(
+        "--params", type=count, required=True, help="parameter count, e.g. 7e9, 7B, 350M"
+    )
+    p.add_argument(
+        "--world-size", type=int_at_least(1), default=8, help="number of GPUs (ranks); default 8"
+    )
+    p.add_argument("--precision", choices=get_args(Precision), default="mixed")
+    p.add_argument("--optimizer", choices=get_args(OptimizerName), default="adam")
+    p.add_argument(
+        "--gpu-memory", type=positive_size, default=None, help="memory per GPU, e.g. 80GB"
+    )
     p.set_defaults(func=_run)
 
 
@@ -52,11 +67,11 @@ def estimate_table(
     Examples:
         >>> print(estimate_table(7.5e9, 64, gpu_memory=32 * 10**9))  # ZeRO paper, Figure 1
         7.50B parameters on 64 ranks, mixed precision, adam: 2 + 2 + 12 bytes per parameter
-        stage  shards           strategies   params    grads     optimizer  total      fits 32 GB
-        0      nothing          ddp          15.00 GB  15.00 GB  90.00 GB   120.00 GB  no
-        1      optimizer state  oss/zero1    15.00 GB  15.00 GB  1.41 GB    31.41 GB   yes
-        2      + gradients      sharded_ddp  15.00 GB  0.23 GB   1.41 GB    16.64 GB   yes
-        3      + parameters     fsdp/fsdp2   0.23 GB   0.23 GB   1.41 GB    1.88 GB    yes
+        stage  shards           strategies                   params    grads     optimizer ...
+        0      nothing          ddp, fsdp_no_shard           15.00 GB  15.00 GB  90.00 GB ...
+        1      optimizer state  zero1, oss                   15.00 GB  15.00 GB  1.41 GB ...
+        2      + gradients      sharded_ddp, fsdp_grad_op    15.00 GB  0.23 GB   1.41 GB ...
+        3      + parameters     fsdp, fsdp2, fairscale_fsdp  0.23 GB   0.23 GB   1.41 GB ...
     """
     from fsdp_guide.memory._zero import bytes_per_param, estimate_model_state, format_bytes
 
@@ -65,7 +80,8 @@ def estimate_table(
     if gpu_memory is not None:
         header.append(f"fits {gpu_memory / 1e9:.4g} GB")
     rows = [header]
-    for stage, shards, names in _STAGES:
+    for stage, shards in enumerate(_SHARDS):
+        names = _strategies_of_stage(stage)
         state = estimate_model_state(num_params, world_size, stage, precision, optimizer)  # type: ignore[arg-type]
         cells = [str(stage), shards, names]
         cells += [format_bytes(b, "GB") for b in (state.params, state.grads, state.optimizer)]
@@ -83,21 +99,9 @@ def estimate_table(
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fsdp_guide.cli import CommandError
-    from fsdp_guide.cli._args import parse_count, parse_int
-    from fsdp_guide.memory._zero import parse_size
-
-    try:
-        if args.params is None:
-            raise ValueError("--params is required: the model's parameter count, e.g. --params 7e9")
-        num_params = parse_count("--params", args.params)
-        world_size = parse_int("--world-size", args.world_size, 1)
-        gpu_memory = None if args.gpu_memory is None else parse_size(args.gpu_memory)
-        if gpu_memory is not None and gpu_memory <= 0:
-            raise ValueError(f"--gpu-memory must be positive, got {args.gpu_memory!r}")
-        table = estimate_table(num_params, world_size, args.precision, args.optimizer, gpu_memory)
-    except ValueError as exc:
-        raise CommandError(str(exc)) from exc
+    table = estimate_table(
+        args.params, args.world_size, args.precision, args.optimizer, args.gpu_memory
+    )
     print(table)
     print("Model state only: activations, communication buffers and fragmentation come on top.")
     return 0

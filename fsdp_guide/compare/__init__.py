@@ -7,6 +7,6 @@ strategy and returns one :class:`RankMeasurement` per strategy and rank, measure
 
 from __future__ import annotations
 
-from fsdp_guide.compare._runs import RankMeasurement, run_comparison
+from fsdp_guide.compare._runs import RankMeasurement, run_comparison, train_and_measure
 
-__all__ = ["RankMeasurement", "run_comparison"]
+__all__ = ["RankMeasurement", "run_comparison", "train_and_measure"]

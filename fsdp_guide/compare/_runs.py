@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from fsdp_guide.compare._strategies import STRATEGIES, check_strategies, wrap_for_strategy
+from fsdp_guide.catalog import STRATEGIES, check_strategies, wrap_for_strategy
 from fsdp_guide.launcher._launch import launch
 from fsdp_guide.memory import PeakMemory, measure_model_state, peak_memory
 from fsdp_guide.memory._report import ComparisonRow
@@ -73,7 +73,7 @@ def train_and_measure(
     Args:
         rank: This rank.
         world_size: Number of ranks.
-        strategy: A name from :data:`~fsdp_guide.compare._strategies.STRATEGIES`.
+        strategy: A name from :data:`~fsdp_guide.catalog.STRATEGIES`.
         model_name: ``"transformer"`` or ``"mlp"``.
         steps: Training steps (at least 1).
         batch_size: Global batch size; must divide by ``world_size``.
@@ -146,7 +146,7 @@ def run_comparison(
     """Launch :func:`train_and_measure` for each strategy; pair measurements with predictions.
 
     Args:
-        strategies: Names from :data:`~fsdp_guide.compare._strategies.STRATEGIES`.
+        strategies: Names from :data:`~fsdp_guide.catalog.STRATEGIES`.
         world_size: Ranks per run.
         model_name: ``"transformer"`` or ``"mlp"``.
         steps: Training steps per strategy.
@@ -155,7 +155,7 @@ def run_comparison(
         timeout: Seconds each run may take.
 
     Returns:
-        One :class:`~fsdp_guide.memory._report.ComparisonRow` per strategy and rank.
+        One :class:`~fsdp_guide.memory.ComparisonRow` per strategy and rank.
 
     Raises:
         ValueError: Bad strategy, model, world size, steps or batch size, before any

@@ -3,8 +3,8 @@
 :func:`launch` starts the ranks (fork in a notebook, spawn in a script), relays their output
 line by line with a ``[rankN]`` prefix, and returns each rank's result; when any rank fails,
 it stops them all and raises. :func:`dist_init` joins a process group from the environment
-``torchrun`` sets. ``%load_ext fsdp_guide`` registers :class:`DistributedMagics`, the
-``%%distributed`` cell magic.
+``torchrun`` sets. ``%load_ext fsdp_guide`` registers
+:class:`~fsdp_guide.launcher.magic.DistributedMagics`, the ``%%distributed`` cell magic.
 
 Layers, from the caller down: ``_launch`` (arguments checked before any process starts),
 ``_supervisor`` (one loop in the caller's thread: start, relay, collect, stop), ``_worker``

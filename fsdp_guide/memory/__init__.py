@@ -31,6 +31,7 @@ are not bucket views, activations, module buffers) are not counted.
 
 from __future__ import annotations
 
+from fsdp_guide.catalog import resolve_stage
 from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
 from fsdp_guide.memory._report import (
     ComparisonRow,
@@ -40,14 +41,15 @@ from fsdp_guide.memory._report import (
 )
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._zero import (
+    BytesPerParam,
     bytes_per_param,
     estimate_model_state,
     format_bytes,
     parse_size,
-    resolve_stage,
 )
 
 __all__ = [
+    "BytesPerParam",
     "ComparisonRow",
     "ModelState",
     "PeakMemory",

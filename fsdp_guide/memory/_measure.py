@@ -81,7 +81,7 @@ def measure_model_state(
         optimizer: Its optimizer, or ``None`` to count no optimizer state.
 
     Returns:
-        The measured :class:`~fsdp_guide.memory._state.ModelState`.
+        The measured :class:`~fsdp_guide.memory.ModelState`.
 
     Raises:
         TypeError: When ``module`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.

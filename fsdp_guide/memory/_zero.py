@@ -26,21 +26,11 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from fsdp_guide.catalog._table import resolve_stage
 from fsdp_guide.memory._state import ModelState
 
 Precision = Literal["fp32", "mixed"]
 OptimizerName = Literal["adam", "sgd", "sgd_momentum"]
-
-#: ZeRO stage of the state each strategy name shards.
-STAGE_BY_NAME: dict[str, int] = {
-    "ddp": 0,
-    "zero1": 1,
-    "oss": 1,
-    "sharded_ddp": 2,
-    "fsdp": 3,
-    "fsdp2": 3,
-    "fairscale_fsdp": 3,
-}
 
 # Optimizer bytes per parameter (K). Mixed precision adds the fp32 master weights (4 bytes).
 _OPTIMIZER_BYTES = {"adam": 8, "sgd_momentum": 4, "sgd": 0}
@@ -93,28 +83,6 @@ def bytes_per_param(
     return BytesPerParam(params=4, grads=4, optimizer=k)
 
 
-def resolve_stage(stage: int | str) -> int:
-    """ZeRO stage number from a number (0 to 3) or a strategy name.
-
-    Raises:
-        ValueError: For an unknown name or a number outside 0 to 3.
-
-    Examples:
-        >>> resolve_stage("sharded_ddp"), resolve_stage(3)
-        (2, 3)
-        >>> resolve_stage("zero9")
-        Traceback (most recent call last):
-        ...
-        ValueError: unknown stage 'zero9'; use 0-3 or one of ddp, zero1, oss, ...
-    """
-    if isinstance(stage, str) and stage in STAGE_BY_NAME:
-        return STAGE_BY_NAME[stage]
-    if isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage <= 3:
-        return stage
-    names = ", ".join(STAGE_BY_NAME)
-    raise ValueError(f"unknown stage {stage!r}; use 0-3 or one of {names}")
-
-
 def estimate_model_state(
     num_params: float,
     world_size: int,
@@ -132,7 +100,8 @@ def estimate_model_state(
         num_params: Parameters in the model (``Ψ``).
         world_size: Ranks the state is sharded over (``N``); for hybrid sharding, the size
             of the shard group.
-        stage: ZeRO stage 0 to 3, or a name from :data:`STAGE_BY_NAME`.
+        stage: ZeRO stage: 0 to 3, ``"zero0"`` to ``"zero3"``, or any strategy name of
+            :data:`fsdp_guide.catalog.STRATEGIES`.
         precision: ``"fp32"`` or ``"mixed"``, see :func:`bytes_per_param`.
         optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
         full_grads: Count the whole gradient on every rank whatever the stage. This is what
@@ -142,7 +111,7 @@ def estimate_model_state(
             buffer even though only the owner's shard is summed.
 
     Returns:
-        The predicted :class:`~fsdp_guide.memory._state.ModelState`.
+        The predicted :class:`~fsdp_guide.memory.ModelState`.
 
     Raises:
         ValueError: For ``num_params`` not positive and finite, ``world_size < 1``, or a

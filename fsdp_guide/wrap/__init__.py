@@ -4,14 +4,14 @@ How a model is cut into FSDP units decides peak memory and how communication ove
 compute; activation checkpointing trades recomputation for activation memory. This module
 gathers the helpers, which live in smaller modules:
 
-* policies (:mod:`fsdp_guide.wrap._policy`): :class:`SizePolicy`, :class:`LayerPolicy`,
+* policies (``fsdp_guide/wrap/_policy.py``): :class:`SizePolicy`, :class:`LayerPolicy`,
   their union ``a | b`` / :func:`any_of`, usable with FairScale, FSDP1 and FSDP2;
-* sharding: :func:`shard` with a policy (:mod:`fsdp_guide.wrap._engines`), and manual
-  wrapping with :func:`wrapping` and :func:`wrap` (:mod:`fsdp_guide.wrap._manual`);
+* sharding: :func:`shard` with a policy (``fsdp_guide/wrap/_engines.py``), and manual
+  wrapping with :func:`wrapping` and :func:`wrap` (``fsdp_guide/wrap/_manual.py``);
 * :func:`checkpoint_layers` and :func:`saved_activation_bytes`
-  (:mod:`fsdp_guide.wrap._activations`);
-* :func:`describe` and :func:`sharded_units` (:mod:`fsdp_guide.wrap._inspect`);
-* :func:`check_optimizer` (:mod:`fsdp_guide.wrap._optimizer_check`).
+  (``fsdp_guide/wrap/_activations.py``);
+* :func:`describe` and :func:`sharded_units` (``fsdp_guide/wrap/_inspect.py``);
+* :func:`check_optimizer` (``fsdp_guide/wrap/_optimizer_check.py``).
 
 Examples:
     >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig

@@ -2,8 +2,8 @@
 
 ``"fairscale"`` is FairScale's ``FullyShardedDataParallel`` (CUDA only), ``"torch"`` is PyTorch's
 FSDP1 ``FullyShardedDataParallel``, ``"fsdp2"`` is PyTorch's ``fully_shard``. :func:`shard`
-wraps a whole model following a :class:`~fsdp_guide.wrap._policy.WrapPolicy`; manual wrapping
-lives in :mod:`fsdp_guide.wrap._manual`.
+wraps a whole model following a :class:`~fsdp_guide.wrap.WrapPolicy`; manual wrapping
+lives in ``fsdp_guide/wrap/_manual.py``.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def shard(
 
     Call it on every rank, inside a function run by :func:`fsdp_guide.launch`. Without a
     policy only the root becomes a unit (plus any units made by hand with
-    :func:`~fsdp_guide.wrap._manual.wrap`).
+    :func:`~fsdp_guide.wrap.wrap`).
     Build the optimizer afterwards, from the returned model's parameters
     (:func:`fsdp_guide.wrap.check_optimizer` catches the opposite).
 
