@@ -11,18 +11,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from fsdp_guide._fsdp_tensors import GRAD_BUFFERS, PARAM_BUFFERS
 from fsdp_guide.memory._state import ModelState
-
-# Private tensors that FairScale FSDP and PyTorch FSDP1 hang off a flat parameter.
-_PARAM_BUFFERS = (
-    "_local_shard",
-    "_fp32_shard",
-    "_fp16_shard",
-    "_mp_shard",
-    "_full_param_padded",
-    "_full_prec_full_param_padded",
-)
-_GRAD_BUFFERS = ("_saved_grad_shard", "_cpu_grad")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -104,8 +94,8 @@ def measure_model_state(
         )
     counter = _StorageCounter()
     params = list(module.parameters())
-    param_buffers = [getattr(p, name, None) for p in params for name in _PARAM_BUFFERS]
-    grad_buffers = [getattr(p, name, None) for p in params for name in _GRAD_BUFFERS]
+    param_buffers = [getattr(p, name, None) for p in params for name in PARAM_BUFFERS]
+    grad_buffers = [getattr(p, name, None) for p in params for name in GRAD_BUFFERS]
     param_bytes = counter.add([*params, *param_buffers])
     grad_bytes = counter.add([*(p.grad for p in params), *grad_buffers])
     optimizer_bytes = counter.add(_optimizer_state_tensors(optimizer)) if optimizer else 0
