@@ -97,3 +97,26 @@ def test_a_saved_parameter_shard_is_not_an_activation() -> None:
 
     nbytes, _ = saved_activation_bytes(layer, forward)
     assert nbytes == 32
+
+
+def _dtensor_shard_sizes(rank: int, world_size: int) -> tuple[int, int, int]:
+    """(elements of this rank's shard, parameter bytes measured, activation bytes measured)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    module = nn.Module()  # a parameter of 8 floats, sharded: each of 2 ranks holds 4
+    module.weight = nn.Parameter(distribute_tensor(torch.ones(8), mesh, [Shard(0)]))
+    x = distribute_tensor(torch.randn(8), mesh, [Shard(0)]).requires_grad_()
+    # Autograd saves both factors: x (an activation) and the weight (a parameter).
+    activations, _ = saved_activation_bytes(module, lambda: (module.weight * x).sum())
+    params = measure_model_state(module).params
+    return _fsdp_tensors.local_tensor(x).numel(), params, activations
+
+
+def test_dtensors_count_the_local_shard_only() -> None:
+    from fsdp_guide import launch
+
+    results = launch(_dtensor_shard_sizes, 2, backend="gloo", start_method="fork", timeout=120)
+    # Each rank holds 4 of 8 floats of the input and of the weight: 16 bytes of each.
+    assert results == [(4, 16, 16), (4, 16, 16)]

@@ -11,14 +11,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fsdp_guide._fsdp_tensors import GRAD_BUFFERS, PARAM_BUFFERS
+from fsdp_guide._fsdp_tensors import GRAD_BUFFERS, PARAM_BUFFERS, local_tensor
 from fsdp_guide.memory._state import ModelState
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor: a DTensor's (FSDP2) local shard, else the tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 class _StorageCounter:
@@ -32,7 +26,7 @@ class _StorageCounter:
         for tensor in tensors:
             if not isinstance(tensor, torch.Tensor):
                 continue
-            storage = _local(tensor).untyped_storage()
+            storage = local_tensor(tensor).untyped_storage()
             key = (str(storage.device), storage.data_ptr())
             if storage.nbytes() == 0 or key in self._seen:
                 continue

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from fsdp_guide._fsdp_tensors import PARAM_BUFFERS
+from fsdp_guide._fsdp_tensors import PARAM_BUFFERS, local_tensor
 from fsdp_guide.wrap._policy import LayerPolicy
 
 CheckpointImplementation = Literal["torch", "fairscale"]
@@ -176,10 +176,7 @@ def _live_storage(tensor: Tensor | None) -> torch.UntypedStorage | None:
     """The storage holding ``tensor``'s data on this rank, or None if it holds no bytes now."""
     if tensor is None:
         return None
-    to_local = getattr(tensor, "to_local", None)  # a DTensor (FSDP2): its local shard
-    if callable(to_local):
-        tensor = to_local()
-    storage = tensor.untyped_storage()
+    storage = local_tensor(tensor).untyped_storage()
     return storage if storage.nbytes() else None
 
 
