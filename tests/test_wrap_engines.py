@@ -177,6 +177,15 @@ def test_optimizer_missing_parameters_is_caught() -> None:
     check_optimizer(model, partial)  # frozen parameters need no optimizer
 
 
+def test_partial_optimizers_and_a_custom_fix() -> None:
+    model = build()
+    blocks = torch.optim.SGD(model.blocks.parameters(), lr=0.1)  # one of several optimizers
+    check_optimizer(model, blocks, partial=True)
+    stale = torch.optim.SGD([*model.blocks.parameters(), torch.zeros(3)], lr=0.1)
+    with pytest.raises(OptimizerMismatchError, match=r"1 tensor\(s\) \(3 elements\).*\. Do X$"):
+        check_optimizer(model, stale, partial=True, fix="Do X")
+
+
 @pytest.mark.parametrize(
     ("model", "optimizer", "match"),
     [
