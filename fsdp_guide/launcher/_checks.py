@@ -126,11 +126,27 @@ def check_timeout(timeout: object) -> float:
 
 
 def check_world_size(world_size: object) -> int:
-    """``world_size`` itself; ``ValueError`` unless an int >= 1 (a bool is not one)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
+    """``world_size`` itself, checked: the one world-size check of the package.
+
+    Args:
+        world_size: A number of ranks.
+
+    Returns:
+        ``world_size``, typed as an ``int``.
+
+    Raises:
+        ValueError: Unless it is an int >= 1 (a bool is not one).
+
+    Examples:
+        >>> check_world_size(4)
+        4
+        >>> check_world_size(0)
+        Traceback (most recent call last):
+        ...
+        ValueError: world_size must be an int >= 1, got 0
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
     return world_size
 
 
