@@ -10,10 +10,13 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdp_guide.launcher._checks import check_world_size, resolve_backend
 from fsdp_guide.launcher._rendezvous import MASTER_ADDR
+
+if TYPE_CHECKING:
+    import torch
 
 
 def init_launched_rank(
@@ -133,3 +136,42 @@ def dist_init(
         world_size=world_size,
         timeout=timedelta(seconds=timeout),
     )
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on, decided by the process group's backend.
+
+    Under NCCL, ``cuda:LOCAL_RANK`` (the GPU :func:`~fsdp_guide.launcher.launch`,
+    ``torchrun`` and :func:`~fsdp_guide.launcher.dist_init` made current; the current GPU
+    when ``LOCAL_RANK`` is unset); under any other backend (gloo), the CPU, even on a
+    machine with GPUs. Every engine of :func:`fsdp_guide.wrap.shard` places a rank's shards
+    there, so a gloo run computes on the CPU whichever engine it uses.
+
+    Returns:
+        ``torch.device("cuda", local_rank)`` or ``torch.device("cpu")``.
+
+    Raises:
+        RuntimeError: When no process group is initialised.
+
+    Examples:
+        >>> import torch.distributed as dist
+        >>> from fsdp_guide.launcher import find_free_port
+        >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())
+        >>> rank_device()
+        device(type='cpu')
+        >>> dist.destroy_process_group()
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "rank_device() needs a torch.distributed process group: call it inside a "
+            "function run by fsdp_guide.launch (or under torchrun, or after dist_init)"
+        )
+    # "nccl", or "cpu:gloo,cuda:nccl" for a group with a backend per device type.
+    if "nccl" not in str(dist.get_backend()):
+        return torch.device("cpu")
+    local_rank = os.environ.get("LOCAL_RANK")
+    index = int(local_rank) if local_rank is not None else torch.cuda.current_device()
+    return torch.device("cuda", index)
