@@ -91,9 +91,6 @@ def train_and_measure(
         >>> result.state.total == 16 * 142_088 + 8 * 4
         True
     """
-    # A forked rank cannot use an OpenMP pool its parent already started (libgomp is not
-    # fork-safe: the first parallel op hangs); one intra-op thread per rank never enters it.
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model(model_name)
     num_params = count_params(model)
