@@ -3,8 +3,8 @@
 :class:`TinyTransformer` is a stack of identical :class:`Block` layers, so wrap and
 activation-checkpointing policies have a layer class to select. :class:`MLP` is the
 smallest thing worth sharding. Data is generated from a seed, identically on every rank;
-:func:`shard_batch` gives each rank its slice of the global batch, so a sharded run and
-an unsharded run see the same samples and their losses can be compared.
+:func:`shard_batch` gives each rank a contiguous slice of the global batch, so a sharded
+run and an unsharded run see the same samples and their losses can be compared.
 """
 
 from __future__ import annotations
@@ -227,7 +227,13 @@ def synthetic_batch(
 
 
 def shard_batch(batch: Batch, rank: int, world_size: int) -> Batch:
-    """This rank's contiguous slice of a global batch (what a DistributedSampler would give).
+    """This rank's contiguous slice of a global batch: the ``k`` rows from ``rank * k`` on.
+
+    ``k`` is ``batch_size // world_size``. The slices are disjoint and of equal size, so
+    every sample is used once per step and the mean of the ranks' losses is the loss of the
+    whole batch. It is not the split a :class:`~torch.utils.data.DistributedSampler` makes:
+    the sampler deals indices out in turn (rank ``r`` gets ``indices[r::world_size]``), so
+    the same samples reach other ranks.
 
     Raises:
         ValueError: When the batch size does not divide by ``world_size``.
@@ -236,6 +242,12 @@ def shard_batch(batch: Batch, rank: int, world_size: int) -> Batch:
         >>> x, y = shard_batch(synthetic_batch("mlp", batch_size=8), rank=1, world_size=4)
         >>> x.shape[0]
         2
+        >>> rows = torch.arange(8)
+        >>> shard_batch((rows, rows), rank=1, world_size=4)[0].tolist()
+        [2, 3]
+        >>> from torch.utils.data import DistributedSampler
+        >>> list(DistributedSampler(range(8), num_replicas=4, rank=1, shuffle=False))
+        [1, 5]
     """
     n = batch[0].shape[0]
     if n % world_size:
