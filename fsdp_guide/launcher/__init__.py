@@ -4,8 +4,8 @@
 line by line with a ``[rankN]`` prefix, and returns each rank's result; when any rank fails,
 it stops them all and raises. :func:`dist_init` joins a process group from the environment
 ``torchrun`` sets. :func:`rank_device` is the device a rank computes on: its GPU under
-NCCL, the CPU under gloo. ``%load_ext fsdp_guide`` registers :class:`DistributedMagics`, the
-``%%distributed`` cell magic.
+NCCL, the CPU under gloo. ``%load_ext fsdp_guide`` registers
+:class:`~fsdp_guide.launcher.magic.DistributedMagics`, the ``%%distributed`` cell magic.
 
 Layers, from the caller down: ``_launch`` (:func:`launch` itself), ``_checks`` (its
 arguments, checked before any process starts), ``_rendezvous`` (address, ports, the

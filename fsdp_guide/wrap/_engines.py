@@ -110,7 +110,7 @@ def shard(
 
     Call it on every rank, inside a function run by :func:`fsdp_guide.launch`. Without a
     policy only the root becomes a unit (plus any units made by hand with
-    :func:`~fsdp_guide.wrap._manual.wrap`).
+    :func:`~fsdp_guide.wrap.wrap`).
     Build the optimizer afterwards, from the returned model's parameters
     (:func:`fsdp_guide.wrap.check_optimizer` catches the opposite).
 

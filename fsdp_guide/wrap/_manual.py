@@ -42,11 +42,11 @@ def wrapping(engine: Engine = "torch", **engine_options: Any) -> Iterator[None]:
     For ``"torch"`` and ``"fairscale"`` this also enters the library's own ``enable_wrap``
     context, so model code that calls ``torch.distributed.fsdp.wrap.wrap`` or
     ``fairscale.nn.wrap.wrap`` directly is covered too. Wrap the root last (``wrap(model)``
-    inside the block, or :func:`~fsdp_guide.wrap._engines.shard` with no policy after it).
+    inside the block, or :func:`~fsdp_guide.wrap.shard` with no policy after it).
 
     Args:
         engine: ``"torch"``, ``"fsdp2"`` or ``"fairscale"``.
-        **engine_options: As for :func:`fsdp_guide.wrap._engines.shard`.
+        **engine_options: As for :func:`fsdp_guide.wrap.shard`.
 
     Raises:
         ValueError: Unknown engine.
