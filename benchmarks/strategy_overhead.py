@@ -55,7 +55,6 @@ def hand_written(rank: int, world_size: int, steps: int, warmup: int) -> dict[st
     from fairscale.nn.data_parallel import ShardedDataParallel
     from fairscale.optim import OSS
 
-    torch.set_num_threads(1)
     tokens, targets = make_data(steps)
     # The order Lightning's DistributedSampler gives this rank in epoch 0 (it shuffles, seed 0).
     order = list(DistributedSampler(range(len(tokens)), world_size, rank, shuffle=True, seed=0))

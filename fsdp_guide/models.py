@@ -3,15 +3,15 @@
 :class:`TinyTransformer` is a stack of identical :class:`Block` layers, so wrap and
 activation-checkpointing policies have a layer class to select. :class:`MLP` is the
 smallest thing worth sharding. Data is generated from a seed, identically on every rank;
-:func:`shard_batch` gives each rank its slice of the global batch, so a sharded run and
-an unsharded run see the same samples and their losses can be compared.
+:func:`shard_batch` gives each rank a contiguous slice of the global batch, so a sharded
+run and an unsharded run see the same samples and their losses can be compared.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -19,12 +19,14 @@ from torch import Tensor, nn
 
 __all__ = [
     "MLP",
+    "MODEL_NAMES",
     "Batch",
     "Block",
     "ModelName",
     "TinyTransformer",
     "TransformerConfig",
     "build_model",
+    "check_model_name",
     "count_params",
     "loss_fn",
     "shard_batch",
@@ -32,6 +34,8 @@ __all__ = [
 ]
 
 ModelName = Literal["transformer", "mlp"]
+#: The names :func:`build_model` and :func:`synthetic_batch` take.
+MODEL_NAMES: tuple[ModelName, ...] = get_args(ModelName)
 Batch = tuple[Tensor, Tensor]
 
 
@@ -135,6 +139,33 @@ class MLP(nn.Module):
         return out
 
 
+def check_model_name(name: object) -> ModelName:
+    """``name`` itself when it names a demo model: the one model-name check of the package.
+
+    Args:
+        name: ``"transformer"`` or ``"mlp"``.
+
+    Returns:
+        ``name``, typed as a :data:`ModelName`.
+
+    Raises:
+        ValueError: For any other value.
+
+    Examples:
+        >>> check_model_name("mlp")
+        'mlp'
+        >>> check_model_name("resnet")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown model 'resnet'; choose 'transformer' or 'mlp'
+    """
+    for known in MODEL_NAMES:
+        if name == known:
+            return known
+    choices = " or ".join(repr(n) for n in MODEL_NAMES)
+    raise ValueError(f"unknown model {name!r}; choose {choices}")
+
+
 def build_model(name: ModelName = "transformer", seed: int = 0) -> nn.Module:
     """Build a demo model with seeded weights, identical on every rank.
 
@@ -149,8 +180,7 @@ def build_model(name: ModelName = "transformer", seed: int = 0) -> nn.Module:
         >>> count_params(build_model("mlp"))
         142088
     """
-    if name not in ("transformer", "mlp"):
-        raise ValueError(f"unknown model {name!r}; choose 'transformer' or 'mlp'")
+    name = check_model_name(name)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return TinyTransformer() if name == "transformer" else MLP()
@@ -185,20 +215,25 @@ def synthetic_batch(
         >>> torch.equal(synthetic_batch("mlp", step=1)[0], synthetic_batch("mlp", step=1)[0])
         True
     """
+    name = check_model_name(name)
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     if name == "transformer":
         cfg = config or TransformerConfig()
         seq = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=g)
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
-    if name == "mlp":
-        w = torch.randn(32, 8, generator=torch.Generator().manual_seed(seed))
-        x = torch.randn(batch_size, 32, generator=g)
-        return x, x @ w + 0.1 * torch.randn(batch_size, 8, generator=g)
-    raise ValueError(f"unknown model {name!r}; choose 'transformer' or 'mlp'")
+    w = torch.randn(32, 8, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(batch_size, 32, generator=g)
+    return x, x @ w + 0.1 * torch.randn(batch_size, 8, generator=g)
 
 
 def shard_batch(batch: Batch, rank: int, world_size: int) -> Batch:
-    """This rank's contiguous slice of a global batch (what a DistributedSampler would give).
+    """This rank's contiguous slice of a global batch: the ``k`` rows from ``rank * k`` on.
+
+    ``k`` is ``batch_size // world_size``. The slices are disjoint and of equal size, so
+    every sample is used once per step and the mean of the ranks' losses is the loss of the
+    whole batch. It is not the split a :class:`~torch.utils.data.DistributedSampler` makes:
+    the sampler deals indices out in turn (rank ``r`` gets ``indices[r::world_size]``), so
+    the same samples reach other ranks.
 
     Raises:
         ValueError: When the batch size does not divide by ``world_size``.
@@ -207,6 +242,12 @@ def shard_batch(batch: Batch, rank: int, world_size: int) -> Batch:
         >>> x, y = shard_batch(synthetic_batch("mlp", batch_size=8), rank=1, world_size=4)
         >>> x.shape[0]
         2
+        >>> rows = torch.arange(8)
+        >>> shard_batch((rows, rows), rank=1, world_size=4)[0].tolist()
+        [2, 3]
+        >>> from torch.utils.data import DistributedSampler
+        >>> list(DistributedSampler(range(8), num_replicas=4, rank=1, shuffle=False))
+        [1, 5]
     """
     n = batch[0].shape[0]
     if n % world_size:

@@ -321,11 +321,11 @@ def test_spawn_refuses_unpicklable_arguments() -> None:
 
 def test_auto_start_method_forks_in_an_interactive_session(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
-    from fsdp_guide.launcher._launch import _resolve_start_method
+    from fsdp_guide.launcher._checks import resolve_start_method
 
-    assert _resolve_start_method("auto") == "fork"
+    assert resolve_start_method("auto") == "fork"
     monkeypatch.delattr(sys, "ps1")
-    assert _resolve_start_method("auto") == "spawn"
+    assert resolve_start_method("auto") == "spawn"
 
 
 # --- torchrun: the same function, one process per rank started by torchrun -------------
@@ -442,6 +442,6 @@ def test_rendezvous_port_is_bound_by_us_not_probed(
     def no_probe(*args: object, **kwargs: object) -> int:
         raise AssertionError("launch probed for a free port")
 
-    monkeypatch.setattr(sys.modules["fsdp_guide.launcher._launch"], "find_free_port", no_probe)
+    monkeypatch.setattr(sys.modules["fsdp_guide.launcher._rendezvous"], "find_free_port", no_probe)
     results = launch(targets.world_info, 2, backend="gloo", start_method=start_method)  # type: ignore[arg-type]
     assert [r["rank_sum"] for r in results] == [1.0, 1.0]

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from fsdp_guide import LaunchTimeout, RankError, launch
-from fsdp_guide.launcher import _output, _supervisor
+from fsdp_guide.launcher import _output, _reports, _supervisor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,7 +127,7 @@ def test_sys_exit_reports_its_argument(argument: object, message: str, exitcode:
 
 
 def _failed_rank(rank: int, failure: RankError, failed_at: float) -> Any:
-    r = _supervisor._Rank(rank=rank, process=None, result=None)  # type: ignore[arg-type]
+    r = _reports.Rank(rank=rank, process=None, result=None)  # type: ignore[arg-type]
     r.failure, r.failed_at = failure, failed_at
     return r
 
@@ -141,10 +141,10 @@ def test_root_cause_is_the_rank_that_died_not_the_peer_that_lost_it() -> None:
     peer = RankError("rank 0 raised RuntimeError", rank=0, remote_traceback=peer_text)
     died = RankError("rank 1 exited with status 3", rank=1, exitcode=3)
     ranks = [_failed_rank(0, peer, 100.0), _failed_rank(1, died, 100.2)]
-    assert _supervisor._root_cause(ranks) is died
+    assert _reports.root_cause(ranks) is died
     # Between two genuine errors, the earlier one wins.
     own = RankError("rank 0 raised ValueError", rank=0, remote_traceback="ValueError: x\n")
-    assert _supervisor._root_cause([_failed_rank(0, own, 100.0), ranks[1]]) is own
+    assert _reports.root_cause([_failed_rank(0, own, 100.0), ranks[1]]) is own
 
 
 class _DiedSilently:
@@ -165,16 +165,16 @@ def test_a_peer_reporting_first_does_not_hide_the_rank_that_died() -> None:
     # look for ranks that already died before it stops everyone (and so kills them itself).
     peer_text = "RuntimeError: [pair.cc:537] Read error: Connection reset by peer.\n"
     peer = RankError("rank 0 raised RuntimeError", rank=0, remote_traceback=peer_text)
-    dead = _supervisor._Rank(rank=1, process=_DiedSilently(), result=_NoReport())  # type: ignore[arg-type]
+    dead = _reports.Rank(rank=1, process=_DiedSilently(), result=_NoReport())  # type: ignore[arg-type]
     ranks = [_failed_rank(0, peer, 100.0), dead]
-    _supervisor._wait_for_the_cause(ranks)
-    cause = _supervisor._root_cause(ranks)
+    _reports.wait_for_the_cause(ranks)
+    cause = _reports.root_cause(ranks)
     assert cause.rank == 1 and cause.signal_name == "SIGKILL"
     # With nobody else dead the wait is short, and the peer's report is all there is.
-    alive = _supervisor._Rank(rank=1, process=_StillRunning(), result=_NoReport())  # type: ignore[arg-type]
+    alive = _reports.Rank(rank=1, process=_StillRunning(), result=_NoReport())  # type: ignore[arg-type]
     t0 = time.monotonic()
-    _supervisor._wait_for_the_cause([ranks[0], alive])
-    assert time.monotonic() - t0 < _supervisor._CAUSE_WAIT_S + 0.5
+    _reports.wait_for_the_cause([ranks[0], alive])
+    assert time.monotonic() - t0 < _reports._CAUSE_WAIT_S + 0.5
     assert alive.failure is None
 
 

@@ -79,7 +79,7 @@ def test_bad_options_are_refused_before_any_rank_starts(line: str, match: str) -
 def test_bad_world_size_fails_the_cell_before_starting(shell: Any) -> None:
     result = shell.run_cell("%%distributed --world-size 0\nx = 1\n")
     assert isinstance(result.error_in_exec, ValueError)
-    assert "world_size must be >= 1" in str(result.error_in_exec)
+    assert "world_size must be an int >= 1, got 0" in str(result.error_in_exec)
 
 
 def test_gathering_an_unpicklable_value_names_the_variable(shell: Any) -> None:

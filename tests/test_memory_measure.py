@@ -38,7 +38,6 @@ def _odd_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train_and_measure_all(rank: int, world_size: int) -> dict[tuple[str, str], dict[str, Any]]:
     """Two Adam steps per (model, strategy); state measured after the last step()."""
-    torch.set_num_threads(1)  # forked after the parent used OpenMP: see compare_runs
     runs = [("transformer", name) for name in CPU_STRATEGIES]
     runs += [("odd", name) for name in PADDING_STRATEGIES]
     out: dict[tuple[str, str], dict[str, Any]] = {}

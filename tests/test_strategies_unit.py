@@ -171,6 +171,35 @@ def test_activation_checkpointing_wraps_the_given_layer_classes(layers: object, 
         torch.testing.assert_close(p.grad, want)
 
 
+def test_an_optimizer_holding_a_stale_tensor_besides_the_shards_is_refused() -> None:
+    # Not only an optimizer with no shard at all: any tensor that is not a shard is stale.
+    wrapped = nn.Linear(4, 4)
+    mixed = torch.optim.SGD([*wrapped.parameters(), nn.Parameter(torch.zeros(4))], lr=0.1)
+    with pytest.raises(ValueError, match=r"optimizer 0 \(SGD\): .*not parameters of the model"):
+        check_optimizers_use_sharded_params([mixed], wrapped, USE_TRAINER_MODEL)
+
+
+def test_optimizers_for_parts_of_the_model_are_accepted() -> None:
+    wrapped = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))  # a generator and a critic, say
+    parts = [torch.optim.SGD(layer.parameters(), lr=0.1) for layer in wrapped]
+    check_optimizers_use_sharded_params(parts, wrapped, USE_TRAINER_MODEL)
+
+
+def test_activation_checkpointing_patches_each_outermost_layer_once() -> None:
+    inner = nn.Sequential(nn.Linear(4, 4))
+    model = nn.ModuleList([nn.Sequential(inner), nn.Linear(4, 1)])
+    assert apply_activation_checkpointing(model, (nn.Sequential,)) == 1  # model[0], not inner
+    assert apply_activation_checkpointing(model, (nn.Sequential,)) == 1  # already: left as is
+    forward = model[0].forward
+    assert "checkpointed" in str(forward) and "checkpointed" not in str(forward.args)  # type: ignore[attr-defined]
+    assert "forward" not in inner.__dict__
+
+
+def test_activation_checkpointing_of_a_class_the_model_lacks_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"activation_checkpointing=\[ReLU\]: no module"):
+        apply_activation_checkpointing(nn.Sequential(nn.Linear(2, 2)), (nn.ReLU,))
+
+
 def test_popen_switches_to_fork_in_an_interactive_session(monkeypatch: pytest.MonkeyPatch) -> None:
     import fsdp_guide.strategies.sharded as sharded_module
 

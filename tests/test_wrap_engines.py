@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_guide import dist_init, find_free_port
+from fsdp_guide.launcher import rank_device
 from fsdp_guide.models import Block, TinyTransformer, TransformerConfig, count_params
 from fsdp_guide.wrap import (
     EngineUnavailableError,
@@ -68,6 +69,63 @@ def test_fairscale_without_cuda_is_refused_first(module: Any) -> None:
 def test_fairscale_wrapping_without_cuda_is_refused() -> None:
     with pytest.raises(EngineUnavailableError, match=FAIRSCALE_ON_CPU), wrapping("fairscale"):
         pass
+
+
+@pytest.fixture
+def gpu_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend this CPU machine has a GPU: what every engine sees on a GPU machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+@pytest.mark.usefixtures("one_rank_group", "gpu_visible")
+@pytest.mark.parametrize("engine", CPU_ENGINES)
+def test_a_gloo_run_stays_on_cpu_with_a_gpu_visible(engine: str) -> None:
+    # FSDP1 used to take the current GPU whenever CUDA existed, FSDP2 the backend's device.
+    assert rank_device() == torch.device("cpu")
+    sharded = shard(build(), engine=engine, policy=LayerPolicy(Block))  # type: ignore[arg-type]
+    devices = {p.device for p in sharded.parameters()}
+    assert devices == {torch.device("cpu")}, devices
+    if engine == "torch":
+        assert sharded.compute_device == torch.device("cpu")  # type: ignore[comparison-overlap]
+
+
+@pytest.mark.usefixtures("one_rank_group", "gpu_visible")
+def test_fairscale_in_a_gloo_group_is_refused() -> None:
+    with pytest.raises(EngineUnavailableError, match=r"needs the NCCL backend"):
+        shard(build(), engine="fairscale")
+    with (
+        pytest.raises(EngineUnavailableError, match=r"needs the NCCL backend"),
+        wrapping("fairscale"),
+    ):
+        pass
+
+
+@pytest.mark.usefixtures("one_rank_group", "gpu_visible")
+@pytest.mark.parametrize(
+    ("backend", "local_rank", "expected"),
+    [
+        ("nccl", "3", torch.device("cuda", 3)),
+        ("cpu:gloo,cuda:nccl", "1", torch.device("cuda", 1)),
+        ("nccl", None, torch.device("cuda", 0)),  # dist_init: the current GPU
+        ("gloo", "1", torch.device("cpu")),
+    ],
+)
+def test_rank_device_follows_the_backend(
+    monkeypatch: pytest.MonkeyPatch, backend: str, local_rank: str | None, expected: torch.device
+) -> None:
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert rank_device() == expected
+
+
+def test_rank_device_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match=r"rank_device\(\) needs a torch.distributed"):
+        rank_device()
 
 
 @pytest.mark.parametrize(
@@ -175,6 +233,15 @@ def test_optimizer_missing_parameters_is_caught() -> None:
     model.ln_f.requires_grad_(False)
     model.head.requires_grad_(False)
     check_optimizer(model, partial)  # frozen parameters need no optimizer
+
+
+def test_partial_optimizers_and_a_custom_fix() -> None:
+    model = build()
+    blocks = torch.optim.SGD(model.blocks.parameters(), lr=0.1)  # one of several optimizers
+    check_optimizer(model, blocks, partial=True)
+    stale = torch.optim.SGD([*model.blocks.parameters(), torch.zeros(3)], lr=0.1)
+    with pytest.raises(OptimizerMismatchError, match=r"1 tensor\(s\) \(3 elements\).*\. Do X$"):
+        check_optimizer(model, stale, partial=True, fix="Do X")
 
 
 @pytest.mark.parametrize(

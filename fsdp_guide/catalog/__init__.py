@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdp_guide.catalog._setup import SetupContext, Wrapped, rank_device
+from fsdp_guide.catalog._setup import SetupContext, Wrapped
 from fsdp_guide.catalog._table import (
     DEFAULT_STRATEGIES,
     STRATEGIES,
@@ -49,6 +49,7 @@ from fsdp_guide.catalog._table import (
     get_strategy,
     resolve_stage,
 )
+from fsdp_guide.launcher import rank_device
 
 __all__ = [
     "DEFAULT_STRATEGIES",

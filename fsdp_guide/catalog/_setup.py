@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 Wrapped = tuple[nn.Module, torch.optim.Optimizer]
@@ -30,12 +29,6 @@ class SetupContext:
     device: torch.device
     world_size: int
     lr: float
-
-
-def rank_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _adam(params: Any, lr: float) -> torch.optim.Optimizer:

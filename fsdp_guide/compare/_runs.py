@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from fsdp_guide.catalog import STRATEGIES, check_strategies, wrap_for_strategy
+from fsdp_guide.launcher._checks import check_world_size
 from fsdp_guide.launcher._launch import launch
 from fsdp_guide.memory import PeakMemory, measure_model_state, peak_memory
 from fsdp_guide.memory._report import ComparisonRow
@@ -24,6 +25,7 @@ from fsdp_guide.memory._state import ModelState
 from fsdp_guide.models import (
     ModelName,
     build_model,
+    check_model_name,
     count_params,
     loss_fn,
     shard_batch,
@@ -91,9 +93,6 @@ def train_and_measure(
         >>> result.state.total == 16 * 142_088 + 8 * 4
         True
     """
-    # A forked rank cannot use an OpenMP pool its parent already started (libgomp is not
-    # fork-safe: the first parallel op hangs); one intra-op thread per rank never enters it.
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model(model_name)
     num_params = count_params(model)
@@ -168,10 +167,8 @@ def run_comparison(
         ValueError: batch size 8 does not divide by world_size=3; pass a multiple of 3
     """
     specs = check_strategies(list(strategies))
-    if model_name not in ("transformer", "mlp"):
-        raise ValueError(f"unknown model {model_name!r}; choose 'transformer' or 'mlp'")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    check_model_name(model_name)
+    check_world_size(world_size)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if batch_size < 1 or batch_size % world_size:

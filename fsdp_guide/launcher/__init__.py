@@ -3,24 +3,26 @@
 :func:`launch` starts the ranks (fork in a notebook, spawn in a script), relays their output
 line by line with a ``[rankN]`` prefix, and returns each rank's result; when any rank fails,
 it stops them all and raises. :func:`dist_init` joins a process group from the environment
-``torchrun`` sets. ``%load_ext fsdp_guide`` registers
+``torchrun`` sets. :func:`rank_device` is the device a rank computes on: its GPU under
+NCCL, the CPU under gloo. ``%load_ext fsdp_guide`` registers
 :class:`~fsdp_guide.launcher.magic.DistributedMagics`, the ``%%distributed`` cell magic.
 
-Layers, from the caller down: ``_launch`` (arguments checked before any process starts),
-``_supervisor`` (one loop in the caller's thread: start, relay, collect, stop), ``_worker``
-(what runs inside a rank), ``_output`` (whole-line relay), ``magic`` (the cell magic).
+Layers, from the caller down: ``_launch`` (:func:`launch` itself), ``_checks`` (its
+arguments, checked before any process starts), ``_rendezvous`` (address, ports, the
+torchrun environment), ``_supervisor`` (one loop in the caller's thread: start, relay,
+collect, stop) with ``_reports`` (what each rank reported, which failure to blame),
+``_worker`` (what runs inside a rank), ``_process_group`` (joining ``torch.distributed``:
+launched ranks, torchrun, :func:`dist_init`), ``_output`` (whole-line relay), ``magic``
+(the cell magic).
 """
 
 from __future__ import annotations
 
 from fsdp_guide.errors import LaunchError, LaunchTimeout, RankError
-from fsdp_guide.launcher._launch import (
-    dist_init,
-    find_free_port,
-    in_interactive_session,
-    launch,
-    resolve_backend,
-)
+from fsdp_guide.launcher._checks import in_interactive_session, resolve_backend
+from fsdp_guide.launcher._launch import launch
+from fsdp_guide.launcher._process_group import dist_init, rank_device
+from fsdp_guide.launcher._rendezvous import find_free_port
 
 __all__ = [
     "LaunchError",
@@ -30,5 +32,6 @@ __all__ = [
     "find_free_port",
     "in_interactive_session",
     "launch",
+    "rank_device",
     "resolve_backend",
 ]

@@ -15,58 +15,30 @@ import selectors
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from fsdp_guide.errors import LaunchTimeout, RankError
+from fsdp_guide.errors import LaunchTimeout
 from fsdp_guide.launcher import _worker
 from fsdp_guide.launcher._output import _emit, _Stream
+from fsdp_guide.launcher._rendezvous import FD_LOCK
+from fsdp_guide.launcher._reports import (
+    Rank,
+    on_exit,
+    read_result,
+    root_cause,
+    wait_for_the_cause,
+)
 
 __all__: list[str] = []
-
-# A forked child inherits every file descriptor open in the parent. Launches running in
-# several threads take this lock while they hold descriptors their ranks must not share
-# (the write ends of a rank's pipes, a port-probing socket) and while they fork.
-FD_LOCK = threading.Lock()
 
 _TERMINATE_GRACE_S = 2.0
 # How long ranks may linger after every one has sent its result (a non-daemon thread or a
 # child process keeps a rank alive) before they are stopped and the results returned.
 _EXIT_GRACE_S = 3.0
-# How long to wait for the rank behind a peer's "connection reset" before stopping everyone.
-_CAUSE_WAIT_S = 0.5
-
-
-@dataclass
-class _Rank:
-    rank: int
-    process: BaseProcess
-    result: Connection
-    streams: list[_Stream] = field(default_factory=list)
-    done: bool = False
-    value: Any = None
-    failure: RankError | None = None
-    failed_at: float = 0.0
-
-
-def _exit_failure(rank: int, exitcode: int | None) -> RankError:
-    if exitcode is not None and exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:  # real-time signals have no name in the enum
-            name = f"SIGRTMIN+{-exitcode - signal.SIGRTMIN}"
-        return RankError(f"rank {rank} was killed by {name}", rank=rank, signal_name=name)
-    return RankError(
-        f"rank {rank} exited with status {exitcode} without returning a result",
-        rank=rank,
-        exitcode=exitcode,
-    )
 
 
 def _kill_group(process: BaseProcess, sig: int) -> None:
@@ -81,7 +53,7 @@ def _kill_group(process: BaseProcess, sig: int) -> None:
             os.kill(pid, sig)
 
 
-def stop_all(ranks: list[_Rank]) -> None:
+def stop_all(ranks: list[Rank]) -> None:
     """Terminate every rank and its children; escalate to SIGKILL after a short grace."""
     for r in ranks:
         _kill_group(r.process, signal.SIGTERM)
@@ -96,7 +68,7 @@ def stop_all(ranks: list[_Rank]) -> None:
     _kill_all(ranks)
 
 
-def _kill_all(ranks: list[_Rank]) -> None:
+def _kill_all(ranks: list[Rank]) -> None:
     """SIGKILL every rank's process group, then wait for the ranks themselves."""
     for r in ranks:
         if r.process.exitcode is None:
@@ -118,7 +90,7 @@ def _listen(address: str) -> socket.socket:
     return sock
 
 
-def _dump_stacks(ranks: list[_Rank], grace_s: float = 1.0) -> None:
+def _dump_stacks(ranks: list[Rank], grace_s: float = 1.0) -> None:
     """Ask ranks still running to print their Python stacks (faulthandler on SIGUSR1)."""
     running = [r for r in ranks if r.process.exitcode is None and r.process.pid is not None]
     for r in running:
@@ -138,14 +110,14 @@ def start_ranks(
     master_addr: str,
     master_port: int | None,
     pg_timeout_s: float,
-) -> list[_Rank]:
+) -> list[Rank]:
     """Start one process per rank; each gets private pipes for stdout, stderr and its result.
 
     With ``master_port=None`` we bind a free port and hand the listening socket to rank 0,
     which serves the rendezvous store on it: picking a free port and binding it later would
     leave a window in which another process can take it.
     """
-    ranks: list[_Rank] = []
+    ranks: list[Rank] = []
     forked = ctx.get_start_method() == "fork"
     # A spawned rank gets its work pickled by us and unpickles it after redirecting its
     # output (see _worker.run_rank); a forked rank shares our memory and needs no pickling.
@@ -193,7 +165,7 @@ def start_ranks(
                     w.close()
                 if listener is not None:
                     listener.close()  # rank 0 has its own copy now
-            r = _Rank(rank=rank, process=process, result=res_r)
+            r = Rank(rank=rank, process=process, result=res_r)
             r.streams = [_Stream(rank, out_r, sys.stdout), _Stream(rank, err_r, sys.stderr)]
             ranks.append(r)
     except BaseException:
@@ -202,49 +174,7 @@ def start_ranks(
     return ranks
 
 
-def _read_result(r: _Rank) -> None:
-    try:
-        data = r.result.recv_bytes()
-    except (EOFError, OSError):
-        return  # died before reporting; the exit status tells why
-    r.done = True
-    try:
-        message = pickle.loads(data)
-    except Exception as exc:
-        r.failure = RankError(
-            f"the value returned by rank {r.rank} cannot be rebuilt in the launching process "
-            f"({type(exc).__name__}: {exc}). Return plain data (numbers, strings, lists, "
-            "dicts, CPU tensors), or objects of classes this process can import, not of "
-            "classes defined inside the launched function or a %%distributed cell.",
-            rank=r.rank,
-        )
-        r.failed_at = time.time()
-        return
-    if message[0] == "ok":
-        r.value = message[1]
-    elif message[0] == "exit":
-        _, code, argument, failed_at = message
-        called = f"rank {r.rank} called sys.exit({argument})"
-        if code == 0:
-            text = f"{called} before returning a result"
-        elif argument == repr(code):
-            text = called
-        else:
-            text = f"{called}: exit status {code}"
-        r.failure = RankError(text, rank=r.rank, exitcode=code)
-        r.failed_at = failed_at
-    else:
-        _, text, failed_at = message
-        last = text.strip().splitlines()[-1] if text.strip() else "an exception"
-        r.failure = RankError(
-            f"rank {r.rank} raised {last}\n\n--- traceback of rank {r.rank} ---\n{text}",
-            rank=r.rank,
-            remote_traceback=text,
-        )
-        r.failed_at = failed_at
-
-
-def supervise(ranks: list[_Rank], timeout: float) -> list[Any]:
+def supervise(ranks: list[Rank], timeout: float) -> list[Any]:
     """Relay output until every rank has reported; raise on the first failure or at timeout."""
     selector = selectors.DefaultSelector()
     for r in ranks:
@@ -284,16 +214,16 @@ def supervise(ranks: list[_Rank], timeout: float) -> list[Any]:
                         selector.unregister(key.fd)
                 elif kind == "result":
                     selector.unregister(key.fd)
-                    _read_result(r)
+                    read_result(r)
                 else:
                     selector.unregister(key.fd)
                     r.process.join()
-                    _on_exit(r)
+                    on_exit(r)
             if any(r.failure is not None for r in ranks):
-                _wait_for_the_cause(ranks)
+                wait_for_the_cause(ranks)
                 stop_all(ranks)
                 _drain(ranks)
-                raise _root_cause(ranks)
+                raise root_cause(ranks)
         # Every rank has reported: stop what is still running in their process groups
         # (processes a rank started and left behind), then print what is left in the pipes.
         stop_all(ranks)
@@ -311,35 +241,7 @@ def supervise(ranks: list[_Rank], timeout: float) -> list[Any]:
     return [r.value for r in ranks]
 
 
-def _on_exit(r: _Rank) -> None:
-    """Record how an exited rank ended: its report if it sent one, else its exit status."""
-    if not r.done and r.result.poll():
-        _read_result(r)
-    if r.failure is None and (not r.done or r.process.exitcode != 0):
-        r.done = True
-        r.failure = _exit_failure(r.rank, r.process.exitcode)
-        r.failed_at = time.time()
-
-
-def _wait_for_the_cause(ranks: list[_Rank]) -> None:
-    """Before stopping the ranks, note those that already died on their own.
-
-    A rank that dies without a report (killed, ``os._exit``) breaks its peers' connections;
-    a peer's "connection reset" report can arrive before the death is noticed. When every
-    failure so far is such a report, wait briefly for the rank that caused it.
-    """
-    deadline = time.monotonic() + _CAUSE_WAIT_S
-    while True:
-        for r in ranks:
-            if r.failure is None and r.process.exitcode is not None:
-                _on_exit(r)
-        failures = [r.failure for r in ranks if r.failure is not None]
-        if not all(_lost_a_peer(f) for f in failures) or time.monotonic() >= deadline:
-            return
-        time.sleep(0.02)
-
-
-def _report_lingering(ranks: list[_Rank]) -> None:
+def _report_lingering(ranks: list[Rank]) -> None:
     lingering = [r.rank for r in ranks if r.process.exitcode is None]
     print(
         f"fsdp_guide.launch: ranks {lingering} sent their results but were still running "
@@ -369,35 +271,13 @@ def _read_streams_to_eof(selector: selectors.BaseSelector, deadline: float) -> N
             _emit(key.data[2], b"", final=True)
 
 
-# What a rank's collective raises when a peer went away: a consequence, never the cause.
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
-
-
-def _lost_a_peer(failure: RankError) -> bool:
-    text = (failure.remote_traceback or "").strip()
-    last = text.splitlines()[-1] if text else ""
-    return any(marker in last for marker in _PEER_LOST)
-
-
-def _root_cause(ranks: list[_Rank]) -> RankError:
-    """The failure that caused the others.
-
-    Peers that merely lost their connection to a failed rank are passed over. A rank that
-    died without a report (killed, ``os._exit``) is only noticed after its peers may already
-    have reported the lost connection, so report times alone would blame a peer.
-    """
-    failed = [(r.failure, r.failed_at) for r in ranks if r.failure is not None]
-    failure, _ = min(failed, key=lambda pair: (_lost_a_peer(pair[0]), pair[1]))
-    return failure
-
-
-def _drain(ranks: list[_Rank]) -> None:
+def _drain(ranks: list[Rank]) -> None:
     """Print what stopped ranks wrote before dying, and pick up error reports already sent."""
     for r in ranks:
         if not r.done:
             try:
                 if r.result.poll():
-                    _read_result(r)
+                    read_result(r)
             except (OSError, EOFError, ValueError):
                 pass
         for s in r.streams:

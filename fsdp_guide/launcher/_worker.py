@@ -24,14 +24,15 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
+
+from fsdp_guide.launcher._process_group import init_launched_rank
 
 __all__: list[str] = []
 
 # Frames from these files are the launcher's plumbing, not the user's code.
-_INTERNAL_FILES = frozenset({"_worker.py", "magic.py"})
+_INTERNAL_FILES = frozenset({"_worker.py", "_process_group.py", "magic.py"})
 
 
 def _redirect_stream(fd: int, conn: Connection) -> io.TextIOWrapper:
@@ -81,26 +82,7 @@ def _run_user_function(
     elif "OMP_NUM_THREADS" not in os.environ:
         # Share the cores between ranks instead of each rank claiming all of them.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    timeout = timedelta(seconds=pg_timeout_s)
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if listener is not None:
-        # Rank 0 serves the store on the socket the launcher bound and kept open: no other
-        # process can take the port between choosing it and listening on it.
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            address,
-            port,
-            world_size,
-            is_master=True,
-            master_listen_fd=listener.fileno(),
-            timeout=timeout,
-        )
-    else:
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            address, port, world_size, is_master=rank == 0, timeout=timeout
-        )
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    init_launched_rank(rank, world_size, backend, pg_timeout_s, listener)
     value = fn(rank, world_size, *args, **kwargs)
     if dist.is_initialized():
         dist.destroy_process_group()

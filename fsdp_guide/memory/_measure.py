@@ -11,24 +11,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from fsdp_guide._fsdp_tensors import GRAD_BUFFERS, PARAM_BUFFERS, local_tensor
 from fsdp_guide.memory._state import ModelState
-
-# Private tensors that FairScale FSDP and PyTorch FSDP1 hang off a flat parameter.
-_PARAM_BUFFERS = (
-    "_local_shard",
-    "_fp32_shard",
-    "_fp16_shard",
-    "_mp_shard",
-    "_full_param_padded",
-    "_full_prec_full_param_padded",
-)
-_GRAD_BUFFERS = ("_saved_grad_shard", "_cpu_grad")
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank-local tensor: a DTensor's (FSDP2) local shard, else the tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 class _StorageCounter:
@@ -42,7 +26,7 @@ class _StorageCounter:
         for tensor in tensors:
             if not isinstance(tensor, torch.Tensor):
                 continue
-            storage = _local(tensor).untyped_storage()
+            storage = local_tensor(tensor).untyped_storage()
             key = (str(storage.device), storage.data_ptr())
             if storage.nbytes() == 0 or key in self._seen:
                 continue
@@ -104,8 +88,8 @@ def measure_model_state(
         )
     counter = _StorageCounter()
     params = list(module.parameters())
-    param_buffers = [getattr(p, name, None) for p in params for name in _PARAM_BUFFERS]
-    grad_buffers = [getattr(p, name, None) for p in params for name in _GRAD_BUFFERS]
+    param_buffers = [getattr(p, name, None) for p in params for name in PARAM_BUFFERS]
+    grad_buffers = [getattr(p, name, None) for p in params for name in GRAD_BUFFERS]
     param_bytes = counter.add([*params, *param_buffers])
     grad_bytes = counter.add([*(p.grad for p in params), *grad_buffers])
     optimizer_bytes = counter.add(_optimizer_state_tensors(optimizer)) if optimizer else 0

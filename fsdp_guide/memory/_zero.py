@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fsdp_guide.catalog._table import resolve_stage
+from fsdp_guide.launcher._checks import check_world_size
 from fsdp_guide.memory._state import ModelState
 
 Precision = Literal["fp32", "mixed"]
@@ -133,8 +134,7 @@ def estimate_model_state(
         or not 0 < num_params < math.inf  # also refuses NaN
     ):
         raise ValueError(f"num_params must be a positive finite number, got {num_params!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    check_world_size(world_size)
     level = resolve_stage(stage)
     per = bytes_per_param(precision, optimizer)
 

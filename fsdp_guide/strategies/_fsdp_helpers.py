@@ -1,7 +1,9 @@
 """Small helpers of :class:`~fsdp_guide.strategies.DDPFullyShardedStrategy` that need no GPU.
 
-They stay on FairScale's own API (``checkpoint_wrapper``, ``FullyShardedDataParallel``), which
-is what the strategy exposes to users through ``fairscale.nn.wrap``.
+The checks and activation checkpointing are :mod:`fsdp_guide.wrap`'s, with messages that
+speak of the strategy's arguments and of ``configure_optimizers``. Checkpointing uses
+FairScale's ``checkpoint_wrapper``, and wrapping FairScale's ``FullyShardedDataParallel``:
+what the strategy exposes to users through ``fairscale.nn.wrap``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 from torch.optim import Optimizer
+
+from fsdp_guide.errors import OptimizerMismatchError
+from fsdp_guide.wrap import check_optimizer, checkpoint_layers, checkpointed_names
+from fsdp_guide.wrap._policy import check_layer_classes
 
 
 def normalize_layer_classes(
@@ -28,40 +34,46 @@ def normalize_layer_classes(
         >>> normalize_layer_classes([nn.Linear(2, 2)])
         Traceback (most recent call last):
         ...
-        TypeError: activation_checkpointing takes nn.Module subclasses (e.g. MyBlock), got ...
+        TypeError: activation_checkpointing takes nn.Module subclasses, got Linear(...); pass ...
     """
     if layers is None:
         return ()
     items = [layers] if isinstance(layers, type) else list(layers)
-    for item in items:
-        if not (isinstance(item, type) and issubclass(item, nn.Module)):
-            raise TypeError(
-                f"activation_checkpointing takes nn.Module subclasses (e.g. MyBlock), got {item!r}"
-            )
-    return tuple(items)
+    return check_layer_classes(
+        items, "activation_checkpointing", "activation_checkpointing=[Block]"
+    )
 
 
 def apply_activation_checkpointing(model: nn.Module, layers: tuple[type[nn.Module], ...]) -> int:
     """Make every submodule of the given classes recompute activations in backward.
 
-    Uses FairScale's ``checkpoint_wrapper``, which patches ``forward`` in place.
+    :func:`fsdp_guide.wrap.checkpoint_layers` with FairScale's ``checkpoint_wrapper``, which
+    patches ``forward`` in place: the outermost matching modules below the root, each once.
 
     Returns:
-        How many modules were wrapped.
+        How many modules are checkpointed.
+
+    Raises:
+        ValueError: When ``model`` itself is of one of the classes, or nothing is.
 
     Examples:
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
         >>> apply_activation_checkpointing(model, (nn.Linear,))
         2
+        >>> apply_activation_checkpointing(model, (nn.Conv1d,))
+        Traceback (most recent call last):
+        ...
+        ValueError: activation_checkpointing=[Conv1d]: no module of Sequential matches ...
     """
     if not layers:
         return 0
-    from fairscale.nn.checkpoint import checkpoint_wrapper
-
-    targets = [m for m in model.modules() if isinstance(m, layers)]
-    for module in targets:
-        checkpoint_wrapper(module)
-    return len(targets)
+    try:
+        names = checkpointed_names(model, layers)
+    except ValueError as err:
+        given = ", ".join(cls.__name__ for cls in layers)
+        raise ValueError(f"activation_checkpointing=[{given}]: {err}") from None
+    checkpoint_layers(model, layers, implementation="fairscale")
+    return len(names)
 
 
 def contains_fsdp(model: nn.Module) -> bool:
@@ -84,10 +96,12 @@ def check_optimizers_use_sharded_params(
 ) -> None:
     """Raise when an optimizer misses the sharded model's parameters in a way that is a mistake.
 
-    Two mistakes are caught: an optimizer that updates none of the sharded parameters (it
-    was built from the parameters FSDP replaced), and one built from the LightningModule's
-    ``self.parameters()`` after inner layers were wrapped: that sees the inner wrappers'
-    shards but not the shard of the root wrapper, which would silently never train.
+    Each optimizer goes through :func:`fsdp_guide.wrap.check_optimizer` (``partial``: several
+    optimizers may each train a part): one holding tensors that are not the sharded
+    parameters was built from the parameters FSDP replaced. One more mistake is caught here:
+    an optimizer built from the LightningModule's ``self.parameters()`` after inner layers
+    were wrapped sees the inner wrappers' shards but not the shard of the root wrapper,
+    which would silently never train.
 
     Args:
         optimizers: The optimizers ``configure_optimizers`` returned.
@@ -97,7 +111,8 @@ def check_optimizers_use_sharded_params(
             optimizer built from them; empty to skip that check.
 
     Raises:
-        ValueError: When an optimizer references no shard, or only the module's own shards.
+        OptimizerMismatchError: (a ``ValueError``) When an optimizer holds no parameters,
+            holds tensors that are not shards, or only the module's own shards.
 
     Examples:
         >>> import torch
@@ -106,27 +121,28 @@ def check_optimizers_use_sharded_params(
         >>> check_optimizers_use_sharded_params([torch.optim.SGD(other.parameters())], model, "fix")
         Traceback (most recent call last):
         ...
-        ValueError: optimizer 0 (SGD) references none of the sharded parameters; fix
+        fsdp_guide.errors.OptimizerMismatchError: optimizer 0 (SGD): the optimizer holds 2 ... fix
         >>> root = nn.Sequential(model, other)  # as if ``other`` were the root's own shard
         >>> sgd = torch.optim.SGD(model.parameters())
         >>> check_optimizers_use_sharded_params([sgd], root, "fix", model.parameters())
         Traceback (most recent call last):
         ...
-        ValueError: optimizer 0 (SGD) was built from the module's own parameters, ...
+        fsdp_guide.errors.OptimizerMismatchError: optimizer 0 (SGD) was built from the ...
     """
     sharded = {id(p) for p in sharded_model.parameters()}
     own = {id(p) for p in module_params}
     for index, optimizer in enumerate(optimizers):
+        label = f"optimizer {index} ({type(optimizer).__name__})"
         params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if not params & sharded:
-            raise ValueError(
-                f"optimizer {index} ({type(optimizer).__name__}) references none of the sharded"
-                f" parameters; {hint}"
-            )
         if own and params == own and own < sharded:
             missing = len(sharded - own)
-            raise ValueError(
-                f"optimizer {index} ({type(optimizer).__name__}) was built from the module's own"
-                f" parameters, which miss {missing} sharded parameter(s) of the root FSDP"
-                f" wrapper (they would never be updated); {hint}"
+            raise OptimizerMismatchError(
+                f"{label} was built from the module's own parameters, which miss {missing}"
+                " sharded parameter(s) of the root FSDP wrapper (they would never be updated);"
+                f" {hint}"
             )
+        try:
+            # Partial: each of several optimizers may train its own part of the model.
+            check_optimizer(sharded_model, optimizer, partial=True, fix=hint)
+        except OptimizerMismatchError as err:
+            raise OptimizerMismatchError(f"{label}: {err}") from None

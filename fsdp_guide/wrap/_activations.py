@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from fsdp_guide._fsdp_tensors import PARAM_BUFFERS, local_tensor
 from fsdp_guide.wrap._policy import LayerPolicy
 
 CheckpointImplementation = Literal["torch", "fairscale"]
@@ -171,27 +172,11 @@ def checkpoint_layers(
     return model
 
 
-# Tensors FSDP hangs on a parameter for its shards and gathered copies: FairScale's FSDP and
-# PyTorch FSDP1 (on the FlatParameter). Their storages hold parameters, never activations.
-_PARAMETER_BUFFERS = (
-    "_full_param_padded",
-    "_full_prec_full_param_padded",
-    "_local_shard",
-    "_mp_shard",
-    "_fp32_shard",
-    "_fp16_shard",
-    "_cpu_grad",
-)
-
-
 def _live_storage(tensor: Tensor | None) -> torch.UntypedStorage | None:
     """The storage holding ``tensor``'s data on this rank, or None if it holds no bytes now."""
     if tensor is None:
         return None
-    to_local = getattr(tensor, "to_local", None)  # a DTensor (FSDP2): its local shard
-    if callable(to_local):
-        tensor = to_local()
-    storage = tensor.untyped_storage()
+    storage = local_tensor(tensor).untyped_storage()
     return storage if storage.nbytes() else None
 
 
@@ -204,7 +189,8 @@ def _parameter_storages(model: nn.Module) -> set[int]:
         candidates = [*module.parameters(recurse=False), *([flat] if flat is not None else [])]
         for parameter in candidates:
             tensors.append(parameter)
-            tensors.extend(getattr(parameter, name, None) for name in _PARAMETER_BUFFERS)
+            # Its shards and gathered copies; gradient buffers are never saved for backward.
+            tensors.extend(getattr(parameter, name, None) for name in PARAM_BUFFERS)
     storages = (_live_storage(tensor) for tensor in tensors)
     return {storage.data_ptr() for storage in storages if storage is not None}
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fsdp_guide.errors import EngineUnavailableError
+from fsdp_guide.launcher import rank_device
 from fsdp_guide.wrap._policy import WrapPolicy, selected_modules
 
 Engine = Literal["fairscale", "torch", "fsdp2"]
@@ -65,11 +66,9 @@ def _check_process_group(what: str) -> None:
 
 
 def _torch_defaults(options: dict[str, Any]) -> dict[str, Any]:
-    # FSDP1 needs to be told which device to run on; on CPU that is the CPU itself.
-    if torch.cuda.is_available():
-        options.setdefault("device_id", torch.device("cuda", torch.cuda.current_device()))
-    else:
-        options.setdefault("device_id", torch.device("cpu"))
+    # FSDP1 needs to be told which device to run on: the rank's, by backend (CPU under gloo
+    # even when CUDA is there), as for the other engines.
+    options.setdefault("device_id", rank_device())
     return options
 
 
@@ -78,8 +77,20 @@ def _fsdp2_defaults(options: dict[str, Any]) -> dict[str, Any]:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        options["mesh"] = init_device_mesh(device, (dist.get_world_size(),))
+        options["mesh"] = init_device_mesh(rank_device().type, (dist.get_world_size(),))
+    return options
+
+
+def _fairscale_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    device = rank_device()
+    if device.type != "cuda":
+        # Its rank device would be the CPU, where FairScale's FSDP cannot compute.
+        raise EngineUnavailableError(
+            "engine 'fairscale' computes on the rank's GPU, which needs the NCCL backend; "
+            "this process group does not use NCCL. Launch with backend='nccl', or use "
+            "engine='torch' or engine='fsdp2' on CPU"
+        )
+    options.setdefault("compute_device", device)
     return options
 
 
@@ -105,9 +116,10 @@ def shard(
 
     Args:
         module: The model; every rank must build it with the same weights.
-        engine: ``"torch"`` (FSDP1, gets ``device_id`` = the CPU or the current GPU),
-            ``"fsdp2"`` (``fully_shard`` on a 1-D device mesh over all ranks, gloo CPU mesh
-            on CPU) or ``"fairscale"`` (CUDA only).
+        engine: ``"torch"`` (FSDP1), ``"fsdp2"`` (``fully_shard`` on a 1-D device mesh
+            over all ranks) or ``"fairscale"`` (CUDA and NCCL only). Each runs on
+            :func:`~fsdp_guide.launcher.rank_device`: the rank's GPU under NCCL, the CPU
+            under gloo.
         policy: Which submodules become units of their own.
         **engine_options: Passed to the engine's wrapper (e.g. ``sharding_strategy`` for
             FSDP1, ``reshard_after_forward`` or ``mesh`` for FSDP2, ``mixed_precision`` for
@@ -120,7 +132,8 @@ def shard(
     Raises:
         ValueError: Unknown engine; a policy given for a model that already has units;
             ``auto_wrap_policy`` among the engine options.
-        EngineUnavailableError: ``"fairscale"`` without CUDA (raised before anything else).
+        EngineUnavailableError: ``"fairscale"`` without CUDA (raised before anything else),
+            or in a process group that does not use NCCL.
         TypeError: ``module`` is not a Module or ``policy`` not a WrapPolicy.
         RuntimeError: No process group is initialised.
 
@@ -181,7 +194,7 @@ def shard(
             fully_shard(unit, **options)
         fully_shard(module, **options)
         return module
-    return _shard_fairscale(module, policy, options)
+    return _shard_fairscale(module, policy, _fairscale_defaults(options))
 
 
 def _shard_fairscale(

@@ -19,6 +19,7 @@ from torch import nn
 from fsdp_guide.wrap._engines import (
     Engine,
     _check_process_group,
+    _fairscale_defaults,
     _fsdp2_defaults,
     _torch_defaults,
     check_engine,
@@ -49,7 +50,7 @@ def wrapping(engine: Engine = "torch", **engine_options: Any) -> Iterator[None]:
 
     Raises:
         ValueError: Unknown engine.
-        EngineUnavailableError: ``"fairscale"`` without CUDA.
+        EngineUnavailableError: ``"fairscale"`` without CUDA or NCCL.
         RuntimeError: No process group, or already inside a :func:`wrapping` block.
 
     Examples:
@@ -86,6 +87,7 @@ def wrapping(engine: Engine = "torch", **engine_options: Any) -> Iterator[None]:
         from fairscale.nn import FullyShardedDataParallel as FairScaleFSDP
         from fairscale.nn.wrap import enable_wrap as fairscale_enable_wrap
 
+        options = _fairscale_defaults(options)
         library_context = fairscale_enable_wrap(wrapper_cls=FairScaleFSDP, **options)
     else:
         options = _fsdp2_defaults(options)

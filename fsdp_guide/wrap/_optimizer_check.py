@@ -20,7 +20,13 @@ _FIX = (
 )
 
 
-def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def check_optimizer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    partial: bool = False,
+    fix: str = _FIX,
+) -> None:
     """Check that ``optimizer`` trains exactly the trainable parameters of ``model``.
 
     It fails when the optimizer holds no parameters, holds tensors that are not parameters of
@@ -30,6 +36,10 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     Args:
         model: The model as it is trained, i.e. after wrapping.
         optimizer: The optimizer that should update it.
+        partial: Accept an optimizer that trains only some of the trainable parameters: one
+            of several optimizers, each for a part of the model (a GAN's generator, say).
+        fix: The advice that ends the message; by default, build the optimizer from the
+            model :func:`~fsdp_guide.wrap.shard` returned.
 
     Raises:
         OptimizerMismatchError: The optimizer does not match the model's parameters.
@@ -44,6 +54,7 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         ... except OptimizerMismatchError as err:
         ...     print(str(err)[:60])
         the optimizer holds 2 tensor(s) (6 elements) that are not pa
+        >>> check_optimizer(model, torch.optim.SGD([model.bias], lr=0.1), partial=True)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -55,7 +66,7 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     if not held:
         raise OptimizerMismatchError(
             "the optimizer holds no parameters: it was built from a module whose parameters "
-            f"moved into the wrapper. {_FIX}"
+            f"moved into the wrapper. {fix}"
         )
     model_ids = {id(p) for p in model.parameters()}
     foreign = [p for p in held if id(p) not in model_ids]
@@ -64,13 +75,15 @@ def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         raise OptimizerMismatchError(
             f"the optimizer holds {len(foreign)} tensor(s) ({numel:,} elements) that are not "
             "parameters of the model: it was built from the unwrapped model, or before "
-            f"wrapping, and would update tensors the model no longer uses. {_FIX}"
+            f"wrapping, and would update tensors the model no longer uses. {fix}"
         )
+    if partial:
+        return
     held_ids = {id(p) for p in held}
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held_ids]
     if missing:
         shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
         raise OptimizerMismatchError(
             f"{len(missing)} trainable parameter(s) of the model are not in the optimizer "
-            f"({shown}), so they would never be updated. {_FIX}"
+            f"({shown}), so they would never be updated. {fix}"
         )

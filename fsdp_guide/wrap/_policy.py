@@ -20,7 +20,7 @@ One policy object serves every engine:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
@@ -183,6 +183,38 @@ class SizePolicy(WrapPolicy):
         return f"SizePolicy(min_num_params={self.min_num_params})"
 
 
+def check_layer_classes(
+    classes: Iterable[object], what: str = "LayerPolicy", example: str = "LayerPolicy(Block)"
+) -> tuple[type[nn.Module], ...]:
+    """``classes`` as a tuple for ``isinstance``, each checked to be an ``nn.Module`` subclass.
+
+    Args:
+        classes: The layer classes given.
+        what: The argument's name in the error message.
+        example: A correct use, shown in the error message.
+
+    Raises:
+        TypeError: For an item that is not an ``nn.Module`` subclass (an instance, a name).
+
+    Examples:
+        >>> check_layer_classes([nn.Linear, nn.ReLU])
+        (<class 'torch.nn.modules.linear.Linear'>, <class 'torch.nn.modules.activation.ReLU'>)
+        >>> check_layer_classes(["Linear"])
+        Traceback (most recent call last):
+        ...
+        TypeError: LayerPolicy takes nn.Module subclasses, got 'Linear'; pass the class itself ...
+    """
+    checked: list[type[nn.Module]] = []
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(
+                f"{what} takes nn.Module subclasses, got {cls!r}; pass the class "
+                f"itself ({example}), not an instance or a name"
+            )
+        checked.append(cls)
+    return tuple(checked)
+
+
 class LayerPolicy(WrapPolicy):
     """Wrap every module that is an instance of one of ``layer_classes``, whatever its size.
 
@@ -210,13 +242,7 @@ class LayerPolicy(WrapPolicy):
             layer_classes = tuple(layer_classes[0])
         if not layer_classes:
             raise TypeError("LayerPolicy needs at least one layer class, e.g. LayerPolicy(Block)")
-        for cls in layer_classes:
-            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-                raise TypeError(
-                    f"LayerPolicy takes nn.Module subclasses, got {cls!r}; pass the class "
-                    "itself (LayerPolicy(Block)), not an instance or a name"
-                )
-        self.layer_classes: tuple[type[nn.Module], ...] = tuple(layer_classes)
+        self.layer_classes = check_layer_classes(layer_classes)
 
     def should_recurse(self, module: nn.Module, nonwrapped_numel: int) -> bool:
         return True
