@@ -32,7 +32,7 @@ from fsdp_guide.wrap import (
 )
 
 CONFIG = TransformerConfig(vocab_size=64, dim=32, n_heads=2, n_layers=2, seq_len=16)
-CPU_ENGINES = ["torch", "fsdp2"]
+CPU_ENGINES = ["fsdp1", "fsdp2"]
 
 
 def build() -> TinyTransformer:
@@ -54,7 +54,7 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
-FAIRSCALE_ON_CPU = r"needs CUDA.*use engine='torch' \(PyTorch FSDP1\) or engine='fsdp2'"
+FAIRSCALE_ON_CPU = r"needs CUDA.*use engine='fsdp1' \(PyTorch FSDP1\) or engine='fsdp2'"
 
 
 @pytest.mark.usefixtures("no_cuda")
@@ -62,12 +62,12 @@ FAIRSCALE_ON_CPU = r"needs CUDA.*use engine='torch' \(PyTorch FSDP1\) or engine=
 def test_fairscale_without_cuda_is_refused_first(module: Any) -> None:
     # Even with a bad module and no process group, the engine error comes first.
     with pytest.raises(EngineUnavailableError, match=FAIRSCALE_ON_CPU):
-        shard(module, engine="fairscale", policy=LayerPolicy(Block))
+        shard(module, engine="fairscale_fsdp", policy=LayerPolicy(Block))
 
 
 @pytest.mark.usefixtures("no_cuda")
 def test_fairscale_wrapping_without_cuda_is_refused() -> None:
-    with pytest.raises(EngineUnavailableError, match=FAIRSCALE_ON_CPU), wrapping("fairscale"):
+    with pytest.raises(EngineUnavailableError, match=FAIRSCALE_ON_CPU), wrapping("fairscale_fsdp"):
         pass
 
 
@@ -87,17 +87,17 @@ def test_a_gloo_run_stays_on_cpu_with_a_gpu_visible(engine: str) -> None:
     sharded = shard(build(), engine=engine, policy=LayerPolicy(Block))  # type: ignore[arg-type]
     devices = {p.device for p in sharded.parameters()}
     assert devices == {torch.device("cpu")}, devices
-    if engine == "torch":
+    if engine == "fsdp1":
         assert sharded.compute_device == torch.device("cpu")  # type: ignore[comparison-overlap]
 
 
 @pytest.mark.usefixtures("one_rank_group", "gpu_visible")
 def test_fairscale_in_a_gloo_group_is_refused() -> None:
     with pytest.raises(EngineUnavailableError, match=r"needs the NCCL backend"):
-        shard(build(), engine="fairscale")
+        shard(build(), engine="fairscale_fsdp")
     with (
         pytest.raises(EngineUnavailableError, match=r"needs the NCCL backend"),
-        wrapping("fairscale"),
+        wrapping("fairscale_fsdp"),
     ):
         pass
 
@@ -131,16 +131,16 @@ def test_rank_device_needs_a_process_group() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"engine": "ddp"}, ValueError, "unknown engine 'ddp'; choose one of 'fairscale', 'torch'"),
-        ({"engine": "torch", "module": nn.Linear}, TypeError, "takes an nn.Module, got type"),
+        ({"engine": "ddp"}, ValueError, "unknown engine 'ddp'; choose one of 'fsdp1', 'fsdp2'"),
+        ({"engine": "fsdp1", "module": nn.Linear}, TypeError, "takes an nn.Module, got type"),
         ({"engine": "fsdp2", "policy": Block}, TypeError, "policy must be a WrapPolicy such as"),
         (
-            {"engine": "torch", "auto_wrap_policy": LayerPolicy(Block).for_torch()},
+            {"engine": "fsdp1", "auto_wrap_policy": LayerPolicy(Block).for_torch()},
             ValueError,
             r"pass the wrap policy as policy=SizePolicy\(...\) / LayerPolicy",
         ),
         ({"engine": "fsdp2"}, RuntimeError, r"inside a function run by fsdp_guide.launch"),
-        ({"engine": "torch"}, RuntimeError, r"needs a torch.distributed process group"),
+        ({"engine": "fsdp1"}, RuntimeError, r"needs a torch.distributed process group"),
     ],
 )
 def test_bad_shard_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
@@ -279,5 +279,18 @@ def test_describe_reads_fairscale_units(policy: WrapPolicy) -> None:
     assert {name: n for name, (_, n) in units.items()} == {
         name: n for name, (_, n) in planned.items()
     }
-    assert {kind for kind, _ in units.values()} == {"fairscale"}
-    assert describe(model).count("[unit: fairscale,") == len(planned)
+    assert {kind for kind, _ in units.values()} == {"fairscale_fsdp"}
+    assert describe(model).count("[unit: fairscale_fsdp,") == len(planned)
+
+
+@pytest.mark.parametrize(("old", "new"), [("torch", "fsdp1"), ("fairscale", "fairscale_fsdp")])
+def test_engines_are_named_as_in_the_catalog_and_old_names_still_work(old: str, new: str) -> None:
+    from fsdp_guide.catalog import STRATEGIES
+    from fsdp_guide.wrap import ENGINES, check_engine
+
+    assert set(ENGINES) <= {spec.engine for spec in STRATEGIES.values()}
+    if new == "fairscale_fsdp":
+        with pytest.raises(EngineUnavailableError, match="engine 'fairscale_fsdp'"):
+            check_engine(old)
+    else:
+        assert check_engine(old) == new

@@ -77,14 +77,14 @@ def train(model: nn.Module, rank: int, world_size: int) -> list[float]:
 def sharded_model(name: str) -> nn.Module:
     model = build().cuda()
     if name == "manual":
-        with wrapping(engine="fairscale"):
+        with wrapping(engine="fairscale_fsdp"):
             model.blocks[1] = wrap(model.blocks[1])
             model.head = wrap(model.head)
             return wrap(model)
     if name == "layer+checkpoint":
         checkpoint_layers(model, Block, implementation="fairscale")
-        return shard(model, engine="fairscale", policy=POLICIES["layer"])
-    return shard(model, engine="fairscale", policy=POLICIES[name])
+        return shard(model, engine="fairscale_fsdp", policy=POLICIES["layer"])
+    return shard(model, engine="fairscale_fsdp", policy=POLICIES[name])
 
 
 def run_fairscale(rank: int, world_size: int) -> dict[str, Any]:
@@ -128,12 +128,12 @@ def test_fairscale_units_are_exactly_those_selected(
         "layer+checkpoint": set(POLICIES["layer"].select(build())),
     }.get(name) or set(POLICIES[name].select(build()))
     assert set(units) == {""} | expected
-    assert {kind for kind, _ in units.values()} == {"fairscale"}
+    assert {kind for kind, _ in units.values()} == {"fairscale_fsdp"}
     assert sum(n for _, n in units.values()) == count_params(build())
     if name in POLICIES:
         planned = sharded_units(build(), policy=POLICIES[name])
         assert {k: n for k, (_, n) in units.items()} == {k: n for k, (_, n) in planned.items()}
     description = fairscale_results[0][name]["description"]
-    assert description.count("[unit: fairscale,") == len(units)
+    assert description.count("[unit: fairscale_fsdp,") == len(units)
     if name == "layer+checkpoint":
         assert description.count("[checkpointed]") == CONFIG.n_layers

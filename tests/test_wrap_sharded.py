@@ -123,7 +123,7 @@ def reference_losses() -> list[float]:
     return losses
 
 
-@pytest.fixture(scope="module", params=["torch", "fsdp2"])
+@pytest.fixture(scope="module", params=["fsdp1", "fsdp2"])
 def engine_results(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
     engine: str = request.param
     results = launch(run_all, WORLD_SIZE, args=(engine,), backend="gloo", start_method="fork")

@@ -1,14 +1,16 @@
 """Shard a model with one of three engines: :func:`shard`.
 
-``"fairscale"`` is FairScale's ``FullyShardedDataParallel`` (CUDA only), ``"torch"`` is PyTorch's
-FSDP1 ``FullyShardedDataParallel``, ``"fsdp2"`` is PyTorch's ``fully_shard``. :func:`shard`
+The engines are named as in the strategy catalog (:data:`fsdp_guide.catalog.STRATEGIES`):
+``"fsdp1"`` is PyTorch's FSDP1 ``FullyShardedDataParallel``, ``"fsdp2"`` is PyTorch's
+``fully_shard``, ``"fairscale_fsdp"`` is FairScale's ``FullyShardedDataParallel`` (CUDA only).
+The older spellings ``"torch"`` and ``"fairscale"`` are still accepted. :func:`shard`
 wraps a whole model following a :class:`~fsdp_guide.wrap.WrapPolicy`; manual wrapping
 lives in ``fsdp_guide/wrap/_manual.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -17,41 +19,45 @@ from fsdp_guide.errors import EngineUnavailableError
 from fsdp_guide.launcher import rank_device
 from fsdp_guide.wrap._policy import WrapPolicy, selected_modules
 
-Engine = Literal["fairscale", "torch", "fsdp2"]
-ENGINES: tuple[str, ...] = ("fairscale", "torch", "fsdp2")
+Engine = Literal["fsdp1", "fsdp2", "fairscale_fsdp"]
+ENGINES: tuple[str, ...] = ("fsdp1", "fsdp2", "fairscale_fsdp")
+# Names this module used before the catalog gave every engine one name.
+_OLD_NAMES = {"torch": "fsdp1", "fairscale": "fairscale_fsdp"}
 
 
-def check_engine(engine: object) -> str:
+def check_engine(engine: object) -> Engine:
     """Validate an engine name against this machine.
 
     Args:
-        engine: ``"fairscale"``, ``"torch"`` or ``"fsdp2"``.
+        engine: ``"fsdp1"``, ``"fsdp2"`` or ``"fairscale_fsdp"`` (or the older ``"torch"``
+            and ``"fairscale"``).
 
     Returns:
-        The engine name.
+        The engine's name in the catalog.
 
     Raises:
         ValueError: For an unknown name.
-        EngineUnavailableError: For ``"fairscale"`` without CUDA.
+        EngineUnavailableError: For ``"fairscale_fsdp"`` without CUDA.
 
     Examples:
-        >>> check_engine("fsdp2")
-        'fsdp2'
+        >>> check_engine("fsdp2"), check_engine("torch")
+        ('fsdp2', 'fsdp1')
         >>> check_engine("deepspeed")
         Traceback (most recent call last):
         ...
-        ValueError: unknown engine 'deepspeed'; choose one of 'fairscale', 'torch', 'fsdp2'
+        ValueError: unknown engine 'deepspeed'; choose one of 'fsdp1', 'fsdp2', 'fairscale_fsdp'
     """
-    if engine not in ENGINES:
+    name = _OLD_NAMES.get(engine, engine) if isinstance(engine, str) else engine
+    if name not in ENGINES:
         choices = ", ".join(repr(e) for e in ENGINES)
         raise ValueError(f"unknown engine {engine!r}; choose one of {choices}")
-    if engine == "fairscale" and not torch.cuda.is_available():
+    if name == "fairscale_fsdp" and not torch.cuda.is_available():
         raise EngineUnavailableError(
-            "engine 'fairscale' (FairScale's FullyShardedDataParallel) needs CUDA, and no GPU "
-            "is visible; on CPU use engine='torch' (PyTorch FSDP1) or engine='fsdp2' "
+            "engine 'fairscale_fsdp' (FairScale's FullyShardedDataParallel) needs CUDA, and no "
+            "GPU is visible; on CPU use engine='fsdp1' (PyTorch FSDP1) or engine='fsdp2' "
             "(PyTorch fully_shard)"
         )
-    return str(engine)
+    return cast(Engine, name)
 
 
 def _check_process_group(what: str) -> None:
@@ -102,7 +108,7 @@ def _has_units(module: nn.Module) -> bool:
 
 def shard(
     module: nn.Module,
-    engine: Engine = "torch",
+    engine: Engine | str = "fsdp1",
     policy: WrapPolicy | None = None,
     **engine_options: Any,
 ) -> nn.Module:
@@ -116,8 +122,9 @@ def shard(
 
     Args:
         module: The model; every rank must build it with the same weights.
-        engine: ``"torch"`` (FSDP1), ``"fsdp2"`` (``fully_shard`` on a 1-D device mesh
-            over all ranks) or ``"fairscale"`` (CUDA and NCCL only). Each runs on
+        engine: ``"fsdp1"`` (PyTorch FSDP1), ``"fsdp2"`` (``fully_shard`` on a 1-D device
+            mesh over all ranks) or ``"fairscale_fsdp"`` (CUDA and NCCL only); ``"torch"``
+            and ``"fairscale"`` are older names of the first and last. Each runs on
             :func:`~fsdp_guide.launcher.rank_device`: the rank's GPU under NCCL, the CPU
             under gloo.
         policy: Which submodules become units of their own.
@@ -126,13 +133,13 @@ def shard(
             FairScale).
 
     Returns:
-        The sharded model: a new wrapper for ``"torch"`` and ``"fairscale"``, ``module``
+        The sharded model: a new wrapper for ``"fsdp1"`` and ``"fairscale_fsdp"``, ``module``
         itself (changed in place) for ``"fsdp2"``.
 
     Raises:
         ValueError: Unknown engine; a policy given for a model that already has units;
             ``auto_wrap_policy`` among the engine options.
-        EngineUnavailableError: ``"fairscale"`` without CUDA (raised before anything else),
+        EngineUnavailableError: ``"fairscale_fsdp"`` without CUDA (raised before anything else),
             or in a process group that does not use NCCL.
         TypeError: ``module`` is not a Module or ``policy`` not a WrapPolicy.
         RuntimeError: No process group is initialised.
@@ -159,7 +166,7 @@ def shard(
         {'': ('fsdp2', 17472), 'blocks.0': ('fsdp2', 12704), 'blocks.1': ('fsdp2', 12704)}
         >>> dist.destroy_process_group()
     """
-    check_engine(engine)
+    engine = check_engine(engine)
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if policy is not None and not isinstance(policy, WrapPolicy):
@@ -179,7 +186,7 @@ def shard(
         )
     _check_process_group("shard()")
     options = dict(engine_options)
-    if engine == "torch":
+    if engine == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         options = _torch_defaults(options)

@@ -28,7 +28,7 @@ class ModuleNode:
         name: Qualified name with wrapper attributes removed (``""`` for the root).
         depth: Nesting depth (root is 0).
         class_name: Class of the wrapped (original) module.
-        engine: ``"torch"``, ``"fairscale"``, ``"fsdp2"``, ``"planned"`` (from a policy)
+        engine: ``"fsdp1"``, ``"fsdp2"``, ``"fairscale_fsdp"``, ``"planned"`` (from a policy)
             or ``None`` when the module is not a unit.
         unit_params: Parameter elements the unit manages; ``None`` when not a unit.
         checkpointed: Whether activation checkpointing wraps the module.
@@ -67,12 +67,12 @@ def unit_engine(module: nn.Module) -> str | None:
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(module, _fsdp1_class()):
-        return "torch"
+        return "fsdp1"
     if isinstance(module, FSDPModule):
         return "fsdp2"
     fairscale_cls = _fairscale_class()
     if fairscale_cls is not None and isinstance(module, fairscale_cls):
-        return "fairscale"
+        return "fairscale_fsdp"
     return None
 
 
@@ -111,13 +111,13 @@ def _unwrap(module: nn.Module) -> tuple[nn.Module, str | None, int | None, bool]
         if is_checkpointed(module):
             checkpointed = True
         kind = unit_engine(module)
-        if kind == "torch":
+        if kind == "fsdp1":
             engine = kind
             handle = getattr(module, "_handle", None)
             flat = handle.flat_param if handle is not None else None
             unit_params = int(sum(flat._numels)) if flat is not None else 0
             module = _child(module, "_fsdp_wrapped_module")
-        elif kind == "fairscale":
+        elif kind == "fairscale_fsdp":
             engine = kind
             # FairScale keeps each (flat) parameter's unsharded size in ``_orig_size``.
             sizes: list[torch.Size] = [p._orig_size for p in getattr(module, "params", [])]

@@ -36,21 +36,22 @@ _ACTIVE: ContextVar[_WrapContext | None] = ContextVar("fsdp_guide_wrap_context",
 
 
 @contextlib.contextmanager
-def wrapping(engine: Engine = "torch", **engine_options: Any) -> Iterator[None]:
+def wrapping(engine: Engine | str = "fsdp1", **engine_options: Any) -> Iterator[None]:
     """Make :func:`wrap` shard modules with ``engine`` and ``engine_options`` inside the block.
 
-    For ``"torch"`` and ``"fairscale"`` this also enters the library's own ``enable_wrap``
+    For ``"fsdp1"`` and ``"fairscale_fsdp"`` this also enters the library's own ``enable_wrap``
     context, so model code that calls ``torch.distributed.fsdp.wrap.wrap`` or
     ``fairscale.nn.wrap.wrap`` directly is covered too. Wrap the root last (``wrap(model)``
     inside the block, or :func:`~fsdp_guide.wrap.shard` with no policy after it).
 
     Args:
-        engine: ``"torch"``, ``"fsdp2"`` or ``"fairscale"``.
+        engine: ``"fsdp1"``, ``"fsdp2"`` or ``"fairscale_fsdp"`` (or the older ``"torch"``
+            and ``"fairscale"``).
         **engine_options: As for :func:`fsdp_guide.wrap.shard`.
 
     Raises:
         ValueError: Unknown engine.
-        EngineUnavailableError: ``"fairscale"`` without CUDA or NCCL.
+        EngineUnavailableError: ``"fairscale_fsdp"`` without CUDA or NCCL.
         RuntimeError: No process group, or already inside a :func:`wrapping` block.
 
     Examples:
@@ -71,19 +72,19 @@ def wrapping(engine: Engine = "torch", **engine_options: Any) -> Iterator[None]:
           2: Linear
         >>> dist.destroy_process_group()
     """
-    check_engine(engine)
+    engine = check_engine(engine)
     if _ACTIVE.get() is not None:
         raise RuntimeError("wrapping() blocks do not nest; leave the active block first")
     _check_process_group("wrapping()")
     options = dict(engine_options)
     library_context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if engine == "torch":
+    if engine == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import enable_wrap as torch_enable_wrap
 
         options = _torch_defaults(options)
         library_context = torch_enable_wrap(wrapper_cls=FullyShardedDataParallel, **options)
-    elif engine == "fairscale":
+    elif engine == "fairscale_fsdp":
         from fairscale.nn import FullyShardedDataParallel as FairScaleFSDP
         from fairscale.nn.wrap import enable_wrap as fairscale_enable_wrap
 
@@ -111,7 +112,7 @@ def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
         **overrides: Engine options for this unit only, over those of the block.
 
     Returns:
-        The wrapper (``"torch"``, ``"fairscale"``), the module sharded in place (``"fsdp2"``),
+        The wrapper (``"fsdp1"``, ``"fairscale_fsdp"``), the module sharded in place (``"fsdp2"``),
         or ``module`` itself outside a block.
 
     Examples:
@@ -122,11 +123,11 @@ def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
     active = _ACTIVE.get()
     if active is None:
         return module
-    if active.engine == "torch":
+    if active.engine == "fsdp1":
         from torch.distributed.fsdp.wrap import wrap as torch_wrap
 
         return torch_wrap(module, **overrides)
-    if active.engine == "fairscale":
+    if active.engine == "fairscale_fsdp":
         from fairscale.nn.wrap import wrap as fairscale_wrap
 
         wrapped: nn.Module = fairscale_wrap(module, **overrides)
