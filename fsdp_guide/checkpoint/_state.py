@@ -6,8 +6,7 @@ prefixes (``module.``, ``_fsdp_wrapped_module.``), whole tensors, and an optimiz
 keyed by parameter name instead of position, so it loads into any strategy at any world
 size. A *sharded* state is what one rank holds (PyTorch FSDP1 and FSDP2 through
 :mod:`torch.distributed.checkpoint.state_dict`; FairScale FSDP through its local state
-dict), with the offset of each shard in its whole tensor so shards can be stitched together
-offline (:mod:`fsdp_guide.checkpoint._shards`).
+dict); :mod:`fsdp_guide.checkpoint._shards` writes and reads it.
 """
 
 from __future__ import annotations
@@ -30,6 +29,9 @@ Strategy = Literal[
     "module", "ddp", "zero", "oss", "sharded_ddp", "fsdp1", "fsdp2", "fairscale_fsdp"
 ]
 SHARDED_STRATEGIES: tuple[str, ...] = ("fsdp1", "fsdp2", "fairscale_fsdp")
+# What a DCP checkpoint (PyTorch FSDP shards) loads into, at any world size: whatever
+# torch.distributed.checkpoint.state_dict takes a state dict from.
+DCP_TARGETS: tuple[str, ...] = ("fsdp1", "fsdp2", "module", "ddp")
 _OptimizerState = dict[str, Any]
 
 
