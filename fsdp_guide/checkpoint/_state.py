@@ -266,6 +266,34 @@ def expected_model_shapes(model: nn.Module, strategy: Strategy) -> dict[str, tup
     return {k: shape_of(v) for k, v in unwrap(model).state_dict().items()}
 
 
+def own_storage(value: Any, seen: set[int] | None = None) -> Any:
+    """``value`` with each tensor that shares storage with an earlier one replaced by a copy.
+
+    FSDP1's full optimizer state gives the parameters of one flat parameter views of one
+    storage and a single ``step`` tensor, and ``torch.save`` keeps that sharing. Loaded as
+    it is, an optimizer that steps each parameter on its own (a plain module's, FSDP2's)
+    would advance that one ``step`` once per parameter, and resume with other losses.
+
+    Examples:
+        >>> step = torch.tensor(2.0)
+        >>> state = own_storage({"a": {"step": step}, "b": {"step": step}})
+        >>> state["a"]["step"] is step, state["b"]["step"] is step, float(state["b"]["step"])
+        (True, False, 2.0)
+    """
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage().data_ptr()
+        if storage in seen and value.numel() > 0:
+            return value.clone()
+        seen.add(storage)
+        return value
+    if isinstance(value, dict):
+        return {k: own_storage(v, seen) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(own_storage(v, seen) for v in value)
+    return value
+
+
 def set_full_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -284,6 +312,8 @@ def set_full_state(
         >>> torch.equal(source.weight, target.weight)
         True
     """
+    if optim_state is not None:
+        optim_state = own_storage(optim_state)
     if strategy != "fairscale_fsdp":
         saved_shapes = {k: shape_of(v) for k, v in model_state.items()}
         check_names_and_shapes(expected_model_shapes(model, strategy), saved_shapes)
