@@ -97,9 +97,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP metadata")
 
 
-def _refused(path: Path, detail: Any) -> CheckpointError:
+def _refused(what: object, detail: Any) -> CheckpointError:
     return CheckpointError(
-        f"refused to load {path}: it carries pickled objects other than DCP metadata, "
+        f"refused to load {what}: it carries pickled objects other than DCP metadata, "
         "tensors and plain values, which could run code. Only load checkpoints written by "
         f"fsdp_guide.checkpoint.save from a source you trust. Detail: {detail}"
     )
@@ -211,7 +211,7 @@ class _Planner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise _refused(Path(f"the DCP value {fqn!r}"), exc) from exc
+            raise _refused(f"the DCP value {fqn!r}", exc) from exc
         if self.flatten_state_dict:
             set_path(self.original_state_dict, self.mappings[fqn], loaded)
         else:
@@ -283,5 +283,5 @@ def describe_failure(exc: CheckpointException) -> tuple[int, str]:
     if isinstance(cause, CheckpointError):
         return rank, str(cause)
     if isinstance(cause, pickle.UnpicklingError):  # a tensor refused by weights_only=True
-        return rank, str(_refused(Path("a tensor of the DCP checkpoint"), cause))
+        return rank, str(_refused("a tensor of the DCP checkpoint", cause))
     return rank, f"{type(cause).__name__}: {cause}"
