@@ -20,6 +20,7 @@ from fsdp_guide import checkpoint, launch
 
 STEPS_BEFORE = 2
 STEPS_AFTER = 3
+BATCH = 12  # splits evenly over 1, 2, 3 and 4 ranks
 # (saving strategy, world size), (loading strategy, world size)
 CASES = [
     ("fsdp1", 2, "fsdp1", 1),
@@ -30,13 +31,15 @@ CASES = [
     ("fsdp2", 4, "fsdp2", 2),
     ("fsdp1", 2, "fsdp2", 4),  # DCP keys both by parameter name: they load each other's
     ("fsdp2", 4, "fsdp1", 2),
+    ("fsdp1", 2, "fsdp1", 3),  # uneven: rows do not split into equal shards
+    ("fsdp2", 4, "fsdp2", 3),
 ]
 
 
 def train_and_save(rank: int, world_size: int, strategy: str, sharded: str, full: str) -> Any:
     torch.set_num_threads(1)  # 4 ranks share 2 cores; more threads only contend
     model, optimizer = build(strategy, seed=0)
-    train(model, optimizer, start=0, steps=STEPS_BEFORE)
+    train(model, optimizer, start=0, steps=STEPS_BEFORE, global_batch=BATCH)
     checkpoint.save(sharded, model, optimizer, kind="sharded", extra={"step": STEPS_BEFORE})
     checkpoint.save(full, model, optimizer, kind="full", extra={"step": STEPS_BEFORE})
     return snapshot(model, optimizer, strategy)  # the full state, taken with DCP's own API
@@ -48,11 +51,13 @@ def load_both_and_train(rank: int, world_size: int, strategy: str, sharded: str,
     fresh = snapshot(model, optimizer, strategy)["model"]
     extra = checkpoint.load(sharded, model, optimizer)
     loaded = snapshot(model, optimizer, strategy)
-    resumed = train(model, optimizer, start=STEPS_BEFORE, steps=STEPS_AFTER)
+    resumed = train(model, optimizer, start=STEPS_BEFORE, steps=STEPS_AFTER, global_batch=BATCH)
 
     reference_model, reference_optimizer = build(strategy, seed=2)
     checkpoint.load(full, reference_model, reference_optimizer)
-    reference = train(reference_model, reference_optimizer, start=STEPS_BEFORE, steps=STEPS_AFTER)
+    reference = train(
+        reference_model, reference_optimizer, STEPS_BEFORE, STEPS_AFTER, global_batch=BATCH
+    )
     return {
         "loaded": loaded,
         "fresh_differed": bool(differences(fresh, loaded["model"])),

@@ -97,7 +97,8 @@ def save(
         path: A file for ``kind="full"``, a directory for ``kind="sharded"``.
         model: The model as trained: plain, DDP, ShardedDDP, FSDP1, FSDP2 or FairScale FSDP.
         optimizer: Its optimizer (plain, ``ZeroRedundancyOptimizer`` or OSS), or ``None``.
-        kind: ``"full"`` (one file, loads anywhere) or ``"sharded"`` (one file per rank).
+        kind: ``"full"`` (one file, loads anywhere) or ``"sharded"`` (a directory of
+            per-rank files; PyTorch FSDP's loads at any world size).
         extra: Small metadata to restore with it (step, epoch, RNG state): tensors, numbers,
             strings and containers of them. Rank 0's is saved.
 
@@ -145,7 +146,9 @@ def load(
     """Load a checkpoint written by :func:`save` (collective: call on every rank).
 
     Build the model and optimizer exactly as for training (same wrapping), then load.
-    A full checkpoint loads at any world size; a sharded one at the world size that saved it.
+    A full checkpoint loads at any world size and into any strategy. A sharded one of PyTorch
+    FSDP1 or FSDP2 loads at any world size into FSDP1, FSDP2, a plain module or DDP; one of
+    FairScale FSDP only into FairScale FSDP at the world size that saved it.
 
     Args:
         path: The file or directory that :func:`save` wrote.
@@ -156,9 +159,11 @@ def load(
         The ``extra`` given to :func:`save` (restore RNG states from it yourself).
 
     Raises:
-        CheckpointError: Missing or truncated file or shard, a file refused by
-            ``weights_only``, a sharded checkpoint at another world size, parameter names
-            or shapes that differ (listed), or an optimizer state the checkpoint lacks.
+        CheckpointError: Missing, truncated or changed file, a file that could run code
+            (refused before anything in it is built), a sharded checkpoint this model cannot
+            take (FairScale FSDP at another world size, ZeRO or OSS), parameter names or shapes
+            that differ (listed), an optimizer state the checkpoint lacks, or one of another
+            optimizer type (both named).
 
     Examples:
         >>> import tempfile
@@ -221,7 +226,8 @@ def consolidate(source: str | os.PathLike[str], target: str | os.PathLike[str]) 
     """Turn a sharded checkpoint directory into a full checkpoint file, in one process.
 
     Needs neither the model code nor a process group, and loads every shard in this
-    process (enough host memory for the whole state is needed).
+    process (enough host memory for the whole state is needed). Every file's SHA-256 is
+    checked first.
 
     Args:
         source: Directory written by ``save(..., kind="sharded")``.
