@@ -36,7 +36,7 @@ from fsdp_guide.checkpoint._dir import (
 )
 from fsdp_guide.checkpoint._io import atomic_write_torch, read_torch
 from fsdp_guide.checkpoint._names import check_names_and_shapes, optimizer_record, shape_of
-from fsdp_guide.checkpoint._state import Strategy
+from fsdp_guide.checkpoint._state import Strategy, kept_fresh, without_state
 from fsdp_guide.errors import CheckpointError
 
 Writer = Callable[[Path], list[str]]
@@ -74,19 +74,20 @@ def sharded_writer(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     optimizers = [optimizer] if optimizer is not None else []
-    model_state, optim_state = get_state_dict(
-        model, optimizers, options=StateDictOptions(full_state_dict=False)
-    )
+    with kept_fresh(optimizer) as fresh:
+        model_state, optim_state = get_state_dict(
+            model, optimizers, options=StateDictOptions(full_state_dict=False)
+        )
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
-        state["optimizer"] = optim_state
+        state["optimizer"] = without_state(dict(optim_state)) if fresh else optim_state
 
     def write_dcp(data: Path) -> list[str]:
         files = _dcp.save(data, state)  # collective; DCP agrees on failures itself
         return files[rank::world]  # each file hashed by one rank
 
-    saved_state: Any = dict(optim_state).get("state")
-    record = optimizer_record(optimizer, saved_state if optimizer is not None else None)
+    saved_state: Any = state["optimizer"]["state"] if optimizer is not None else None
+    record = optimizer_record(optimizer, saved_state)
     return {"strategy": strategy, "layout": "dcp", "optimizer": record}, write_dcp
 
 
@@ -127,7 +128,7 @@ def _check_against_metadata(state: dict[str, Any], metadata: Metadata) -> None:
             "groups as when saving"
         )
     if not saved_params:  # saved before the first step: the groups are all there is
-        state["optimizer"] = {"param_groups": state["optimizer"]["param_groups"]}
+        state["optimizer"] = without_state(state["optimizer"])
 
 
 def _loading_copy(value: Any) -> Any:
@@ -179,6 +180,8 @@ def _load_dcp(
         optim_state_dict=target.get("optimizer", {}),
         options=options,
     )
+    if optimizer is not None and not target["optimizer"]["state"]:
+        optimizer.state.clear()  # saved before its first step: fresh, as it was then
 
 
 def load_sharded_state(

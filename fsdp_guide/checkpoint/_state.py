@@ -11,7 +11,9 @@ dict); :mod:`fsdp_guide.checkpoint._shards` writes and reads it.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -109,6 +111,43 @@ def _is_torch_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule | FSDP1)
 
 
+@contextlib.contextmanager
+def kept_fresh(optimizer: torch.optim.Optimizer | None) -> Iterator[bool]:
+    """Keep an optimizer that has not stepped yet without state through DCP's state dict calls.
+
+    ``get_state_dict`` and ``set_state_dict`` create the state of an optimizer that has none
+    by stepping it once with lr 0: its step counts become 1 and its moments 0, which changes
+    its next update (Adam's bias correction), so a checkpoint taken before the first step
+    would change the run it was taken from. Yields whether ``optimizer`` has no state; if
+    so, it has none again on leaving.
+
+    Examples:
+        >>> layer = nn.Linear(2, 1)
+        >>> adam = torch.optim.Adam(layer.parameters())
+        >>> with kept_fresh(adam) as fresh:
+        ...     layer(torch.ones(1, 2)).sum().backward()
+        ...     adam.step()
+        >>> fresh, len(adam.state)
+        (True, 0)
+    """
+    fresh = optimizer is not None and not optimizer.state
+    try:
+        yield fresh
+    finally:
+        if optimizer is not None and fresh:
+            optimizer.state.clear()
+
+
+def without_state(optim_state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict with its per-parameter state dropped (groups kept).
+
+    Examples:
+        >>> without_state({"state": {"w": {"step": 1}}, "param_groups": [{"lr": 0.1}]})
+        {'state': {}, 'param_groups': [{'lr': 0.1}]}
+    """
+    return {**optim_state, "state": {}} if "param_groups" in optim_state else optim_state
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -147,10 +186,11 @@ def gather_full_fsdp_state(
 
         # cpu_offload=True with full_state_dict=True is DCP's rank-0-only mode (CPU too).
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state, optim_state = get_state_dict(
-            model, [optimizer] if optimizer is not None else [], options=options
-        )
-        return dict(model_state), dict(optim_state)
+        with kept_fresh(optimizer) as fresh:
+            model_state, optim_state = get_state_dict(
+                model, [optimizer] if optimizer is not None else [], options=options
+            )
+        return dict(model_state), without_state(dict(optim_state)) if fresh else dict(optim_state)
     from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
@@ -330,6 +370,8 @@ def set_full_state(
             optim_state_dict=optim_state if optimizer is not None and optim_state else {},
             options=StateDictOptions(full_state_dict=True),
         )
+        if optimizer is not None and optim_state is not None and not optim_state["state"]:
+            optimizer.state.clear()  # saved before its first step: fresh, as it was then
         return
     if strategy == "fairscale_fsdp":
         model.load_state_dict(model_state)
