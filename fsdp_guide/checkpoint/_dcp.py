@@ -159,8 +159,17 @@ def read_metadata(path: Path, data_files: Collection[str]) -> Metadata:
                 f"{getattr(info, 'relative_path', info)!r}, which is not a data file the index "
                 "lists: the checkpoint is corrupt or was not written by fsdp_guide"
             )
+    entries = len(metadata.state_dict_metadata)
     for fqn, key_path in (metadata.planner_data or {}).items():
-        if not (isinstance(key_path, tuple) and all(isinstance(k, str | int) for k in key_path)):
+        # List indices are bounded by the number of values, so no index allocates much.
+        if not (
+            isinstance(key_path, tuple)
+            and key_path
+            and isinstance(key_path[0], str)
+            and all(
+                isinstance(k, str) or (isinstance(k, int) and 0 <= k < entries) for k in key_path
+            )
+        ):
             raise CheckpointError(f"{path} maps {fqn!r} to {key_path!r}, not a key path")
     return metadata
 
@@ -259,11 +268,17 @@ def load_everything(directory: Path, metadata: Metadata) -> dict[str, Any]:
     """
     nested: dict[str, Any] = {}
     mappings = metadata.planner_data or {}
-    for fqn, item in metadata.state_dict_metadata.items():
-        empty = None
-        if isinstance(item, TensorStorageMetadata):
-            empty = torch.empty(item.size, dtype=item.properties.dtype)
-        set_path(nested, mappings.get(fqn, (fqn,)), empty)
+    try:
+        for fqn, item in metadata.state_dict_metadata.items():
+            empty = None
+            if isinstance(item, TensorStorageMetadata):
+                empty = torch.empty(item.size, dtype=item.properties.dtype)
+            set_path(nested, mappings.get(fqn, (fqn,)), empty)
+    except (AssertionError, TypeError, RuntimeError, MemoryError) as exc:
+        raise CheckpointError(
+            f"the DCP metadata in {directory} describes values that do not fit together "
+            f"({type(exc).__name__}: {exc}): the checkpoint is corrupt"
+        ) from exc
     try:
         load(directory, nested, metadata, no_dist=True)
     except CheckpointException as exc:

@@ -105,14 +105,16 @@ def _saved_leaves(metadata: Metadata) -> dict[tuple[str | int, ...], tuple[int, 
 def _check_against_metadata(state: dict[str, Any], metadata: Metadata) -> None:
     """Raise when ``state`` (model, optimizer) wants what the checkpoint does not hold."""
     leaves = _saved_leaves(metadata)
-    saved_model = {str(p[1]): shape for p, shape in leaves.items() if p[0] == "model"}
+    saved_model = {
+        str(p[1]): shape for p, shape in leaves.items() if len(p) == 2 and p[0] == "model"
+    }
     live_model = {
         k: shape_of(v) if isinstance(v, torch.Tensor) else () for k, v in state["model"].items()
     }
     check_names_and_shapes(live_model, saved_model)
     if "optimizer" not in state:
         return
-    saved_params = {str(p[2]) for p in leaves if p[:2] == ("optimizer", "state")}
+    saved_params = {str(p[2]) for p in leaves if len(p) > 2 and p[:2] == ("optimizer", "state")}
     live_params = set(state["optimizer"]["state"])
     if saved_params and saved_params != live_params:
         check_names_and_shapes(
@@ -120,7 +122,9 @@ def _check_against_metadata(state: dict[str, Any], metadata: Metadata) -> None:
             dict.fromkeys(saved_params, ()),
             what="optimizer's parameters",
         )
-    saved_groups = len({p[2] for p in leaves if p[:2] == ("optimizer", "param_groups")})
+    saved_groups = len(
+        {p[2] for p in leaves if len(p) > 2 and p[:2] == ("optimizer", "param_groups")}
+    )
     if saved_groups != len(state["optimizer"]["param_groups"]):
         raise CheckpointError(
             f"the checkpoint's optimizer has {saved_groups} parameter groups and this one "
@@ -161,18 +165,21 @@ def _load_dcp(
     options = StateDictOptions(full_state_dict=False)
     optimizers = [optimizer] if optimizer is not None else []
     fresh = optimizer is not None and not optimizer.state
-    # get_state_dict steps a fresh optimizer once (lr 0, zero gradients) to create its state.
-    model_live, optim_live = get_state_dict(model, optimizers, options=options)
-    state: dict[str, Any] = {"model": dict(model_live)}
-    if optimizer is not None:
-        state["optimizer"] = dict(optim_live)
-    _, failure = attempt(lambda: _check_against_metadata(state, metadata))
-    if failure is not None and optimizer is not None and fresh:
-        optimizer.state.clear()  # as it was before get_state_dict
-    agree(failure)
-    target = _loading_copy(state)
-    _, failure = attempt(lambda: _dcp.load(data, target, metadata))
-    agree(failure)
+    try:
+        # get_state_dict steps a fresh optimizer once (lr 0, zero gradients) to create state.
+        model_live, optim_live = get_state_dict(model, optimizers, options=options)
+        state: dict[str, Any] = {"model": dict(model_live)}
+        if optimizer is not None:
+            state["optimizer"] = dict(optim_live)
+        _, failure = attempt(lambda: _check_against_metadata(state, metadata))
+        agree(failure)
+        target = _loading_copy(state)
+        _, failure = attempt(lambda: _dcp.load(data, target, metadata))
+        agree(failure)
+    except BaseException:
+        if optimizer is not None and fresh:
+            optimizer.state.clear()  # as it was before get_state_dict
+        raise
     set_state_dict(
         model,
         optimizers,

@@ -329,7 +329,7 @@ def own_storage(value: Any, seen: set[int] | None = None) -> Any:
         return value
     if isinstance(value, dict):
         return {k: own_storage(v, seen) for k, v in value.items()}
-    if isinstance(value, list | tuple):
+    if type(value) in (list, tuple):  # not a named tuple: its constructor differs
         return type(value)(own_storage(v, seen) for v in value)
     return value
 
