@@ -96,7 +96,11 @@ def build(
 
 
 def train(
-    model: nn.Module, optimizer: torch.optim.Optimizer, start: int, steps: int
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    start: int,
+    steps: int,
+    global_batch: int = GLOBAL_BATCH,
 ) -> list[float]:
     """``steps`` optimiser steps on this rank's slice of the global batches; local losses.
 
@@ -110,7 +114,7 @@ def train(
     losses = []
     for step in range(start, start + steps):
         batch = shard_batch(
-            make_batch("transformer", GLOBAL_BATCH, step, config=CONFIG), rank, size
+            make_batch("transformer", global_batch, step, config=CONFIG), rank, size
         )
         # model.zero_grad: ShardedDDP reduces through buckets that only its own zero_grad
         # clears; optimizer.zero_grad(set_to_none=True) would leave stale sums in them.

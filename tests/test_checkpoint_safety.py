@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -89,8 +90,9 @@ def save_twice_second_fails_on_rank_1(rank: int, world_size: int, path: str) -> 
         real_save = torch.save
 
         def save_half(obj: Any, handle: Any) -> None:
-            real_save(obj, handle)
-            handle.truncate(handle.tell() // 2)
+            whole = io.BytesIO()
+            real_save(obj, whole)
+            handle.write(whole.getvalue()[: len(whole.getvalue()) // 2])
             raise OSError("disk full")
 
         checkpoint_io.torch.save = save_half  # only in this forked rank
@@ -127,7 +129,7 @@ def test_sharded_save_failing_on_one_rank_leaves_previous_checkpoint(tmp_path: P
         assert result["differences"] == []
     index = json.loads((path / "index.json").read_text())
     data_dirs = [p.name for p in path.iterdir() if p.is_dir()]
-    assert data_dirs == [index["shards"][0].split("/")[0]]  # the failed attempt was removed
+    assert data_dirs == [index["extra"].split("/")[0]]  # the failed attempt was removed
 
 
 # --- safe reads ------------------------------------------------------------------------
@@ -167,23 +169,9 @@ def damaged(sharded_checkpoint: Path, tmp_path: Path) -> tuple[Path, dict[str, A
     return copy, json.loads((copy / "index.json").read_text())
 
 
-@pytest.mark.slow
-def test_crafted_shard_is_refused_even_with_a_matching_index(
-    damaged: tuple[Path, dict[str, Any]], tmp_path: Path
-) -> None:
-    path, index = damaged
-    marker = tmp_path / "payload-ran"
-    shard = index["shards"][1]
-    torch.save({"model": {"w": CodePayload(marker)}, "optimizer": None, "layout": {}}, path / shard)
-    index["files"][shard] = {
-        "size": (path / shard).stat().st_size,
-        "sha256": checkpoint_io.sha256_of(path / shard),
-    }
-    (path / "index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"refused to load .*rank1.pt"):
-        checkpoint.consolidate(path, tmp_path / "full.pt")
-    assert not marker.exists()
-    assert not (tmp_path / "full.pt").exists()
+def data_files(index: dict[str, Any]) -> list[str]:
+    """The DCP data files an index lists (one per saving rank), sorted."""
+    return sorted(name for name in index["files"] if name.endswith(".distcp"))
 
 
 # --- clear errors ----------------------------------------------------------------------
@@ -192,26 +180,28 @@ def test_crafted_shard_is_refused_even_with_a_matching_index(
 @pytest.mark.slow
 def test_missing_shard(damaged: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     path, index = damaged
-    (path / index["shards"][1]).unlink()
-    with pytest.raises(CheckpointError, match=r"missing shard data-\w+/rank1\.pt"):
+    (path / data_files(index)[1]).unlink()
+    with pytest.raises(CheckpointError, match=r"missing checkpoint file data-\w+/__1_0\.distcp"):
         checkpoint.load(path, TinyTransformer(CONFIG))
-    with pytest.raises(CheckpointError, match="missing shard"):
+    with pytest.raises(CheckpointError, match="missing checkpoint file"):
         checkpoint.consolidate(path, tmp_path / "full.pt")
 
 
 @pytest.mark.slow
 def test_truncated_shard(damaged: tuple[Path, dict[str, Any]]) -> None:
     path, index = damaged
-    shard = path / index["shards"][0]
+    shard = path / data_files(index)[0]
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(CheckpointError, match=r"rank0\.pt .* is truncated or changed: 100 bytes"):
+    with pytest.raises(
+        CheckpointError, match=r"__0_0\.distcp .* is truncated or changed: 100 bytes"
+    ):
         checkpoint.load(path, TinyTransformer(CONFIG))
 
 
 @pytest.mark.slow
 def test_shard_changed_after_saving(damaged: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     path, index = damaged
-    shard = path / index["shards"][0]
+    shard = path / data_files(index)[0]
     data = bytearray(shard.read_bytes())
     data[-30] ^= 0xFF  # same size, other bytes
     shard.write_bytes(bytes(data))
@@ -227,14 +217,42 @@ def test_unfinished_sharded_save_has_no_index(damaged: tuple[Path, dict[str, Any
         checkpoint.load(path, TinyTransformer(CONFIG))
 
 
+def load_into_zero(rank: int, world_size: int, path: str) -> None:
+    model, optimizer = build("zero", seed=0)
+    checkpoint.load(path, model, optimizer)
+
+
 @pytest.mark.slow
-def test_sharded_checkpoint_at_wrong_world_size(damaged: tuple[Path, dict[str, Any]]) -> None:
+@pytest.mark.timeout(120)
+def test_sharded_checkpoint_into_a_strategy_dcp_cannot_fill(
+    damaged: tuple[Path, dict[str, Any]],
+) -> None:
     path, _ = damaged
     with pytest.raises(
-        CheckpointError,
-        match=r"saved on 2 ranks, and this run has 1.*python -m fsdp_guide consolidate",
+        RankError,
+        match=r"holds 'fsdp2' shards, which load at any world size into PyTorch FSDP1 or FSDP2, "
+        r"a plain module or DDP; this model is 'zero': consolidate it \(python -m fsdp_guide "
+        r"consolidate .*\) and load the full file",
     ):
-        checkpoint.load(path, TinyTransformer(CONFIG))
+        launch(load_into_zero, 1, args=(str(path),), backend="gloo", start_method="fork")
+
+
+def test_sharded_checkpoint_of_format_1_is_refused(tmp_path: Path) -> None:
+    # Format 1 wrote PyTorch FSDP shards as rank<N>.pt files, which this version does not read.
+    index = {
+        "format": "fsdp_guide.sharded",
+        "version": 1,
+        "strategy": "fsdp2",
+        "world_size": 2,
+        "shards": ["data-0123456789ab/rank0.pt", "data-0123456789ab/rank1.pt"],
+        "extra": "data-0123456789ab/extra.pt",
+        "files": {},
+    }
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"first sharded format \(rank<N>\.pt files\)"):
+        checkpoint.load(tmp_path, TinyTransformer(CONFIG))
+    with pytest.raises(CheckpointError, match=r"first sharded format"):
+        checkpoint.consolidate(tmp_path, tmp_path / "full.pt")
 
 
 def load_sharded_into_wider_model(rank: int, world_size: int, path: str) -> None:

@@ -23,18 +23,39 @@ Two formats:
     2.13 on CPU/gloo it did not complete in our trials), or save ``kind="sharded"``.
 
 ``kind="sharded"``: a directory (FSDP1, FSDP2, FairScale FSDP)
-    ``rank<N>.pt`` per rank and ``extra.pt`` in a ``data-<id>`` sub-directory, and
-    ``index.json`` naming the world size, the strategy and each file's size and SHA-256.
+    Each rank writes only its own shards, into a fresh ``data-<id>`` sub-directory, beside
+    ``extra.pt`` (rank 0's); ``index.json``, written last, names the format, strategy,
+    world size, the optimizer's class and state keys, and each file's size and SHA-256.
     The index is replaced last, so until a save completes the directory still describes
-    the previous checkpoint; older ``data-*`` directories are then removed. It loads only
-    at the world size that saved it; :func:`consolidate` (or ``python -m fsdp_guide
-    consolidate SRC DST``) turns it into a full checkpoint. See
+    the previous checkpoint; older ``data-*`` directories are then removed.
+
+    PyTorch FSDP1 and FSDP2 shards are a :mod:`torch.distributed.checkpoint` (DCP)
+    checkpoint (``__<rank>_0.distcp`` files and ``.metadata``), taken with
+    ``get_state_dict`` and written with ``dcp.save``. It loads at any world size, not
+    only the one that saved it (tested from 2 ranks to 1, 3 and 4, from 4 to 2 and 3), into
+    FSDP1 or FSDP2 (either loads the other's), and into a plain module or DDP, which read
+    whole tensors (in one process with no process group, too). DCP's ``.metadata`` is a
+    pickle, read here with an unpickler that builds only DCP's metadata classes, and its
+    non-tensor values are read with ``weights_only=True`` (see
+    ``fsdp_guide/checkpoint/_dcp.py``). ZeRO and OSS, whose optimizers DCP does not fill,
+    load a consolidated file.
+
+    FairScale FSDP shards are ``rank<N>.pt`` files of its local state and load only at the
+    world size that saved them.
+
+    :func:`consolidate` (or ``python -m fsdp_guide consolidate SRC DST``) turns either into
+    a full checkpoint in one process. Directories of format 1 (PyTorch FSDP shards as
+    ``rank<N>.pt``) are refused with a message saying how to convert them. See
     ``fsdp_guide/checkpoint/_dir.py`` and ``fsdp_guide/checkpoint/_shards.py``.
 
-Files are written beside their target, flushed, ``fsync``-ed and renamed into place, and
-read with ``torch.load(weights_only=True)``: see ``fsdp_guide/checkpoint/_io.py``. Any
+Files are written beside their target, flushed, ``fsync``-ed and renamed into place (DCP
+writes and ``fsync``-s its own into the fresh ``data-<id>`` directory, which nothing reads
+until the index names it), and read with ``torch.load(weights_only=True)``: see
+``fsdp_guide/checkpoint/_io.py``. Any
 failure on one rank makes every rank raise the same :class:`CheckpointError`, so no rank is
-left waiting in a collective and nothing is loaded partially.
+left waiting in a collective and nothing is loaded partially. A checkpoint whose optimizer
+state is of another type (Adam's into SGD) is refused, naming both classes and their state
+keys, before anything is loaded.
 """
 
 from __future__ import annotations

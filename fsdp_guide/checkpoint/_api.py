@@ -13,13 +13,20 @@ from fsdp_guide.checkpoint._dir import (
     agree,
     attempt,
     check_sharded_target,
+    open_offline,
+    open_sharded,
     rank_and_world,
-    read_all_shards,
-    read_sharded,
     write_sharded,
 )
-from fsdp_guide.checkpoint._io import atomic_write_torch, check_weights_only_value, read_torch
-from fsdp_guide.checkpoint._shards import consolidate_shards, get_sharded_state, set_sharded_state
+from fsdp_guide.checkpoint._io import (
+    FORMAT_VERSION,
+    FULL_FORMAT,
+    atomic_write_torch,
+    check_weights_only_value,
+    read_torch,
+)
+from fsdp_guide.checkpoint._names import check_optimizer_fits, inner_optimizer, state_keys
+from fsdp_guide.checkpoint._shards import consolidate_state, load_sharded_state, sharded_writer
 from fsdp_guide.checkpoint._state import (
     SHARDED_STRATEGIES,
     Strategy,
@@ -30,8 +37,31 @@ from fsdp_guide.checkpoint._state import (
 from fsdp_guide.errors import CheckpointError
 
 CheckpointKind = Literal["full", "sharded"]
-FULL_FORMAT = "fsdp_guide.full"
-FORMAT_VERSION = 1  # of both formats
+
+
+def _full_payload(
+    strategy: str,
+    world_size: int,
+    model_state: dict[str, Any] | None,
+    optim_state: dict[str, Any] | None,
+    optimizer_class: str | None,
+    extra: Any,
+) -> dict[str, Any]:
+    """What a full checkpoint file holds; written by :func:`save` and :func:`consolidate`."""
+    return {
+        "format": FULL_FORMAT,
+        "version": FORMAT_VERSION,
+        "strategy": strategy,
+        "world_size": world_size,
+        # FairScale FSDP's gathered optimizer state is its own, keyed by position.
+        "optimizer_keys": "position"
+        if strategy == "fairscale_fsdp" and optim_state is not None
+        else "name",
+        "optimizer_class": optimizer_class,
+        "model": model_state,
+        "optimizer": optim_state,
+        "extra": extra,
+    }
 
 
 def _check_save_arguments(path: Path, kind: str, strategy: Strategy, extra: Any) -> None:
@@ -67,7 +97,8 @@ def save(
         path: A file for ``kind="full"``, a directory for ``kind="sharded"``.
         model: The model as trained: plain, DDP, ShardedDDP, FSDP1, FSDP2 or FairScale FSDP.
         optimizer: Its optimizer (plain, ``ZeroRedundancyOptimizer`` or OSS), or ``None``.
-        kind: ``"full"`` (one file, loads anywhere) or ``"sharded"`` (one file per rank).
+        kind: ``"full"`` (one file, loads anywhere) or ``"sharded"`` (a directory of
+            per-rank files; PyTorch FSDP's loads at any world size).
         extra: Small metadata to restore with it (step, epoch, RNG state): tensors, numbers,
             strings and containers of them. Rank 0's is saved.
 
@@ -95,22 +126,15 @@ def save(
     rank, world = rank_and_world()
     if kind == "full":
         model_state, optim_state = get_full_state(model, optimizer, strategy)
-        error = None
+        failure = None
         if rank == 0:
-            payload = {
-                "format": FULL_FORMAT,
-                "version": FORMAT_VERSION,
-                "strategy": strategy,
-                "world_size": world,
-                "optimizer_keys": "position" if strategy == "fairscale_fsdp" else "name",
-                "model": model_state,
-                "optimizer": optim_state,
-                "extra": extra,
-            }
-            _, error = attempt(lambda: atomic_write_torch(path, payload))
-        agree(error)
+            name = type(inner_optimizer(optimizer)).__name__ if optimizer is not None else None
+            payload = _full_payload(strategy, world, model_state, optim_state, name, extra)
+            _, failure = attempt(lambda: atomic_write_torch(path, payload))
+        agree(failure)
         return path
-    write_sharded(path, get_sharded_state(model, optimizer, strategy), strategy, extra)
+    header, write = sharded_writer(model, optimizer, strategy)
+    write_sharded(path, header, write, extra)
     return path
 
 
@@ -122,7 +146,9 @@ def load(
     """Load a checkpoint written by :func:`save` (collective: call on every rank).
 
     Build the model and optimizer exactly as for training (same wrapping), then load.
-    A full checkpoint loads at any world size; a sharded one at the world size that saved it.
+    A full checkpoint loads at any world size and into any strategy. A sharded one of PyTorch
+    FSDP1 or FSDP2 loads at any world size into FSDP1, FSDP2, a plain module or DDP; one of
+    FairScale FSDP only into FairScale FSDP at the world size that saved it.
 
     Args:
         path: The file or directory that :func:`save` wrote.
@@ -133,9 +159,11 @@ def load(
         The ``extra`` given to :func:`save` (restore RNG states from it yourself).
 
     Raises:
-        CheckpointError: Missing or truncated file or shard, a file refused by
-            ``weights_only``, a sharded checkpoint at another world size, parameter names
-            or shapes that differ (listed), or an optimizer state the checkpoint lacks.
+        CheckpointError: Missing, truncated or changed file, a file that could run code
+            (refused before anything in it is built), a sharded checkpoint this model cannot
+            take (FairScale FSDP at another world size, ZeRO or OSS), parameter names or shapes
+            that differ (listed), an optimizer state the checkpoint lacks, or one of another
+            optimizer type (both named).
 
     Examples:
         >>> import tempfile
@@ -147,16 +175,18 @@ def load(
     path = Path(path)
     strategy = detect_strategy(model, optimizer)
     if path.is_dir():
-        shard, extra = read_sharded(path, strategy)
-        if optimizer is not None and shard["optimizer"] is None:
-            raise CheckpointError(
-                f"{path} holds no optimizer state (saved without an optimizer); pass "
-                "optimizer=None to load the model only"
-            )
-        set_sharded_state(model, optimizer, strategy, shard)
-        return extra
-    payload, error = attempt(lambda: _read_full(path))
-    agree(error)
+        opened = open_sharded(path, strategy)
+        if optimizer is not None:
+            if opened.index["optimizer"] is None:
+                raise CheckpointError(
+                    f"{path} holds no optimizer state (saved without an optimizer); pass "
+                    "optimizer=None to load the model only"
+                )
+            check_optimizer_fits(opened.index["optimizer"], optimizer)
+        load_sharded_state(path, opened, model, optimizer)
+        return opened.extra
+    payload, failure = attempt(lambda: _read_full(path))
+    agree(failure)
     assert payload is not None
     if optimizer is not None and payload["optimizer"] is None:
         raise CheckpointError(
@@ -174,6 +204,12 @@ def load(
             "FairScale FSDP loads only its own optimizer state: pass optimizer=None to load "
             "the model only"
         )
+    if optimizer is not None:
+        saved = {
+            "class": payload.get("optimizer_class"),  # not recorded by format 1
+            "state_keys": state_keys(payload["optimizer"]["state"]),
+        }
+        check_optimizer_fits(saved, optimizer)
     set_full_state(model, optimizer, strategy, payload["model"], payload["optimizer"])
     saved_extra: dict[str, Any] | None = payload["extra"]
     return saved_extra
@@ -190,7 +226,8 @@ def consolidate(source: str | os.PathLike[str], target: str | os.PathLike[str]) 
     """Turn a sharded checkpoint directory into a full checkpoint file, in one process.
 
     Needs neither the model code nor a process group, and loads every shard in this
-    process (enough host memory for the whole state is needed).
+    process (enough host memory for the whole state is needed). Every file's SHA-256 is
+    checked first.
 
     Args:
         source: Directory written by ``save(..., kind="sharded")``.
@@ -204,36 +241,48 @@ def consolidate(source: str | os.PathLike[str], target: str | os.PathLike[str]) 
         CheckpointError: The source is not a complete, intact sharded checkpoint.
 
     Examples:
-        A one-rank sharded checkpoint, written by hand:
+        An FSDP2 checkpoint of one rank, consolidated after its process group is gone:
 
         >>> import tempfile
-        >>> from fsdp_guide.checkpoint._dir import write_sharded
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> from fsdp_guide import dist_init, find_free_port
+        >>> dist_init(0, 1, master_port=find_free_port())
+        >>> model = fully_shard(nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))
         >>> root = Path(tempfile.mkdtemp())
-        >>> layer = nn.Linear(2, 1)
-        >>> shard = {"model": dict(layer.state_dict()), "optimizer": None, "layout": {}}
-        >>> write_sharded(root / "sharded", shard, "fsdp2", {"step": 3})
+        >>> _ = save(root / "sharded", model, kind="sharded", extra={"step": 3})
+        >>> dist.destroy_process_group()
         >>> consolidate(root / "sharded", root / "full.pt")
         {'strategy': 'fsdp2', 'world_size': 1, 'tensors': 2, 'bytes': 12, 'optimizer': False}
         >>> load(root / "full.pt", nn.Linear(2, 1))
         {'step': 3}
+
+        A plain module also loads the sharded checkpoint itself:
+
+        >>> layer = nn.Linear(2, 1)
+        >>> load(root / "sharded", layer)
+        {'step': 3}
+        >>> torch.equal(layer.weight, torch.load(root / "full.pt")["model"]["weight"])
+        True
     """
     source, target = Path(source), Path(target)
     if not source.is_dir():
         raise CheckpointError(
             f"{source} is not a directory; consolidate takes a sharded checkpoint"
         )
-    index, shards, extra = read_all_shards(source)
-    model_state, optim_state = consolidate_shards(shards, index["strategy"])
-    payload = {
-        "format": FULL_FORMAT,
-        "version": FORMAT_VERSION,
-        "strategy": index["strategy"],
-        "world_size": index["world_size"],
-        "optimizer_keys": "name",
-        "model": model_state,
-        "optimizer": optim_state,
-        "extra": extra,
-    }
+    opened = open_offline(source)
+    index = opened.index
+    model_state, optim_state = consolidate_state(source, opened)
+    optimizer_class = index["optimizer"]["class"] if index.get("optimizer") else None
+    payload = _full_payload(
+        index["strategy"],
+        index["world_size"],
+        model_state,
+        optim_state,
+        optimizer_class,
+        opened.extra,
+    )
     atomic_write_torch(target, payload)
     tensors = [v for v in model_state.values() if isinstance(v, torch.Tensor)]
     return {

@@ -3,45 +3,74 @@
 Layout of a directory written by :func:`write_sharded`::
 
     ckpt/
-      index.json              written last: format, strategy, world_size, shards, files
+      index.json              written last: format, strategy, world_size, layout, files
       data-3f2a9c1b7e40/
-        rank0.pt  rank1.pt    one shard per rank (plain tensors, weights_only)
+        __0_0.distcp  __1_0.distcp  .metadata
+                              layout "dcp" (PyTorch FSDP1, FSDP2): a torch.distributed.checkpoint
+        rank0.pt  rank1.pt    layout "rank_files" (FairScale FSDP): one shard per rank
         extra.pt              the caller's small metadata, written by rank 0
 
 Each save goes to a new ``data-<id>`` directory and ends by replacing ``index.json``
 atomically; only then are older ``data-*`` directories removed. Until that rename the index
-still names the previous checkpoint's files, so an interrupted save loses nothing.
+still names the previous checkpoint's files, so an interrupted save loses nothing. The index
+records each file's size and SHA-256; a load compares them before anything is parsed, each
+rank hashing its share of the data files.
 
 A failure on one rank must not leave the others waiting in a collective: every rank catches
-its own error (:func:`attempt`), the errors are exchanged (:func:`agree`), and all ranks raise
-the same :class:`~fsdp_guide.errors.CheckpointError`.
+its own error (:func:`attempt`), the errors are exchanged (:func:`agree`, the one mechanism
+for this, which can carry a value from every rank too), and all ranks raise the same
+:class:`~fsdp_guide.errors.CheckpointError`.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
+from fsdp_guide.checkpoint._dcp import METADATA_NAME, describe_failure, read_metadata
 from fsdp_guide.checkpoint._io import (
+    DATA_DIR,
+    FORMAT_VERSION,
     INDEX_NAME,
+    SHARDED_FORMAT,
     atomic_write_bytes,
     atomic_write_torch,
+    fsync_directory,
     read_index,
     read_torch,
     sha256_of,
+    verify_sha256,
 )
+from fsdp_guide.checkpoint._state import DCP_TARGETS
 from fsdp_guide.errors import CheckpointError
 
-FORMAT_VERSION = 1
-DATA_DIR = re.compile(r"data-[0-9a-f]{12}")  # the sub-directories write_sharded names
+EXTRA_NAME = "extra.pt"
 _T = TypeVar("_T")
+
+
+class Failure(NamedTuple):
+    """An error on some rank: the rank it happened on, and what went wrong."""
+
+    rank: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A sharded checkpoint whose index, hashes and metadata were checked."""
+
+    index: dict[str, Any]
+    extra: dict[str, Any] | None
+    metadata: Metadata | None  # DCP's, for layout "dcp"
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -56,43 +85,60 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def attempt(action: Callable[[], _T]) -> tuple[_T | None, str | None]:
-    """Run ``action``; return ``(value, None)``, or ``(None, message)`` if it raised.
+def attempt(action: Callable[[], _T]) -> tuple[_T | None, Failure | None]:
+    """Run ``action``; return ``(value, None)``, or ``(None, failure)`` if it raised.
+
+    DCP raises the same ``CheckpointException`` on every rank; its failure is attributed to
+    the rank where it happened, so all ranks report it alike.
 
     Examples:
         >>> attempt(lambda: 1 / 0)
-        (None, 'ZeroDivisionError: division by zero')
+        (None, Failure(rank=0, message='ZeroDivisionError: division by zero'))
     """
     try:
         return action(), None
+    except CheckpointException as exc:  # a BaseException, so caught by name
+        return None, Failure(*describe_failure(exc))
     except CheckpointError as exc:
-        return None, str(exc)
+        return None, Failure(rank_and_world()[0], str(exc))
     except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, Failure(rank_and_world()[0], f"{type(exc).__name__}: {exc}")
 
 
-def agree(error: str | None) -> None:
-    """Share each rank's error with all ranks (collective); all raise the first one.
+def agree(failure: Failure | None, value: Any = None) -> list[Any]:
+    """Exchange every rank's ``value`` and ``failure`` (collective); all raise the first failure.
+
+    Returns:
+        Every rank's ``value``, ordered by rank, when no rank failed.
 
     Raises:
-        CheckpointError: Some rank reported an error; prefixed with its rank when several run.
+        CheckpointError: Some rank failed; the lowest failing rank's message, prefixed with
+            that rank when several run, unless every rank failed alike.
 
     Examples:
-        >>> agree(None)
-        >>> agree("disk full")
+        >>> agree(None, {"written": 2})
+        [{'written': 2}]
+        >>> agree(Failure(0, "disk full"))
         Traceback (most recent call last):
         ...
         fsdp_guide.errors.CheckpointError: disk full
     """
     _, world = rank_and_world()
-    errors: list[str | None] = [error]
+    gathered: list[Any] = [(value, failure)]
     if world > 1:
-        errors = [None] * world
-        dist.all_gather_object(errors, error)
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(message if world == 1 else f"rank {rank}: {message}")
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (value, failure))
+    failures = [Failure(*f) for _, f in gathered if f is not None]
+    if failures:
+        first = min(failures)
+        # Each rank failing alike on its own (a check of the same inputs) is not one rank's
+        # failure: naming a rank would only mislead.
+        everywhere = {f.rank for f in failures} == set(range(world)) and all(
+            f.message == first.message for f in failures
+        )
+        prefix = "" if world == 1 or everywhere else f"rank {first.rank}: "
+        raise CheckpointError(prefix + first.message)
+    return [v for v, _ in gathered]
 
 
 def check_sharded_target(path: Path) -> None:
@@ -135,26 +181,51 @@ def check_sharded_target(path: Path) -> None:
         )
 
 
+def shard_name(rank: int) -> str:
+    """File name of one rank's shard in the ``"rank_files"`` layout.
+
+    Examples:
+        >>> shard_name(3)
+        'rank3.pt'
+    """
+    return f"rank{rank}.pt"
+
+
 def write_sharded(
-    path: Path, shard: dict[str, Any], strategy: str, extra: dict[str, Any] | None
+    path: Path,
+    header: dict[str, Any],
+    write: Callable[[Path], list[str]],
+    extra: dict[str, Any] | None,
 ) -> None:
-    """Write this rank's shard into the directory ``path`` (collective: every rank calls it).
+    """Write a sharded checkpoint into the directory ``path`` (collective: every rank calls it).
+
+    Args:
+        path: The checkpoint directory.
+        header: What the index records besides its files: ``strategy``, ``layout``
+            (``"dcp"`` or ``"rank_files"``) and ``optimizer`` (class and state keys, or None).
+        write: Writes this rank's part into the new data directory it is given and returns
+            the names of the files there that this rank hashes (together, every file once).
+        extra: Written by rank 0.
 
     Raises:
         CheckpointError: On every rank, when writing failed on any rank; the previous
             checkpoint in ``path`` is left as it was.
 
     Examples:
-        Without a process group, as one rank:
+        A "rank_files" checkpoint, without a process group (as one rank):
 
         >>> import tempfile, torch
         >>> path = Path(tempfile.mkdtemp()) / "ckpt"
-        >>> shard = {"model": {"w": torch.ones(2)}, "optimizer": None, "layout": {}}
-        >>> write_sharded(path, shard, "fsdp2", {"step": 3})
+        >>> def write(data):
+        ...     atomic_write_torch(data / shard_name(0), {"w": torch.ones(2)})
+        ...     return [shard_name(0)]
+        >>> header = {"strategy": "fairscale_fsdp", "layout": "rank_files", "optimizer": None}
+        >>> write_sharded(path, header, write, {"step": 3})
         >>> sorted(p.name for p in path.iterdir())[-1]
         'index.json'
-        >>> read_sharded(path, "fsdp2")
-        ({'model': {'w': tensor([1., 1.])}, 'optimizer': None, 'layout': {}}, {'step': 3})
+        >>> opened = open_sharded(path, "fairscale_fsdp")
+        >>> opened.extra, read_torch(path / opened.index["shards"][0])
+        ({'step': 3}, {'w': tensor([1., 1.])})
     """
     rank, world = rank_and_world()
     names = [f"data-{uuid.uuid4().hex[:12]}"]  # matches DATA_DIR
@@ -162,115 +233,149 @@ def write_sharded(
         dist.broadcast_object_list(names, src=0)
     data = path / names[0]
 
-    def write_own_files() -> dict[str, dict[str, Any]]:
-        written = {f"rank{rank}.pt": shard}
+    def write_and_hash() -> dict[str, dict[str, Any]]:
+        mine = write(data)
         if rank == 0:
-            written["extra.pt"] = {"extra": extra}
-        info = {}
-        for name, payload in written.items():
-            atomic_write_torch(data / name, payload)
-            info[f"{names[0]}/{name}"] = {
+            atomic_write_torch(data / EXTRA_NAME, {"extra": extra})
+            mine = [*mine, EXTRA_NAME]
+        return {
+            f"{names[0]}/{name}": {
                 "size": (data / name).stat().st_size,
                 "sha256": sha256_of(data / name),
             }
-        return info
-
-    info, error = attempt(write_own_files)
-    gathered: list[Any] = [(info, error)]
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (info, error))
-    error = next((f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e), None)
-    if error is None and rank == 0:
-        files: dict[str, Any] = {}
-        for rank_info, _ in gathered:
-            files.update(rank_info)
-        index = {
-            "format": "fsdp_guide.sharded",
-            "version": FORMAT_VERSION,
-            "strategy": strategy,
-            "world_size": world,
-            "shards": [f"{names[0]}/rank{r}.pt" for r in range(world)],
-            "extra": f"{names[0]}/extra.pt",
-            "files": files,
+            for name in mine
         }
-        _, error = attempt(
-            lambda: atomic_write_bytes(path / INDEX_NAME, json.dumps(index, indent=1).encode())
+
+    info, failure = attempt(write_and_hash)
+    succeeded = False
+    try:
+        infos = agree(failure, info)
+        if rank == 0:
+            index = {
+                "format": SHARDED_FORMAT,
+                "version": FORMAT_VERSION,
+                **header,
+                "world_size": world,
+                "extra": f"{names[0]}/{EXTRA_NAME}",
+                "files": {name: entry for rank_info in infos for name, entry in rank_info.items()},
+            }
+            if header["layout"] == "dcp":
+                index["metadata"] = f"{names[0]}/{METADATA_NAME}"
+            else:
+                index["shards"] = [f"{names[0]}/{shard_name(r)}" for r in range(world)]
+
+            def publish() -> None:
+                fsync_directory(data)  # the data's directory entries before the index
+                atomic_write_bytes(path / INDEX_NAME, json.dumps(index, indent=1).encode())
+
+            _, failure = attempt(publish)
+        agree(failure)
+        succeeded = True
+    finally:
+        if rank == 0:  # after a success the older data directories go; else this attempt's
+            for data_dir in path.iterdir() if path.is_dir() else []:
+                if not DATA_DIR.fullmatch(data_dir.name) or not data_dir.is_dir():
+                    continue  # never anything this module did not name
+                if (data_dir.name == names[0]) != succeeded:
+                    shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _check_fits(path: Path, index: dict[str, Any], strategy: str, world: int) -> None:
+    saved, layout = index["strategy"], index.get("layout", "rank_files")  # 1 had rank files
+    consolidate = (
+        f"consolidate it (python -m fsdp_guide consolidate {path} FILE) and load the full file"
+    )
+    if layout == "dcp":
+        if strategy not in DCP_TARGETS:
+            raise CheckpointError(
+                f"{path} holds {saved!r} shards, which load at any world size into PyTorch "
+                f"FSDP1 or FSDP2, a plain module or DDP; this model is {strategy!r}: {consolidate}"
+            )
+        return
+    if layout != "rank_files":
+        raise CheckpointError(f"{path}/{INDEX_NAME} names an unknown layout {layout!r}")
+    if saved in ("fsdp1", "fsdp2"):
+        raise CheckpointError(
+            f"{path} holds {saved!r} shards in fsdp_guide's first sharded format (rank<N>.pt "
+            "files), which this version no longer reads: load it with the fsdp_guide version "
+            "that saved it and save it again (kind='full', or 'sharded' to get a DCP checkpoint)"
         )
-    if rank == 0:
-        # After a success the older data directories go; after a failure, this attempt's.
-        for data_dir in path.iterdir():
-            if not DATA_DIR.fullmatch(data_dir.name) or not data_dir.is_dir():
-                continue  # never anything this module did not name
-            if (data_dir.name == names[0]) == (error is not None):
-                shutil.rmtree(data_dir, ignore_errors=True)
-    outcome = [error]  # rank 0 knows every rank's write error and its own index error
-    if world > 1:
-        dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise CheckpointError(outcome[0])
+    if saved != strategy:
+        raise CheckpointError(
+            f"{path} was saved by {saved!r} shards and this model is {strategy!r}; "
+            f"{consolidate} to change strategy"
+        )
+    if index["world_size"] != world:
+        raise CheckpointError(
+            f"{path} holds {saved!r} shards saved on {index['world_size']} ranks, and this run "
+            f"has {world}: FairScale FSDP shards load only at the world size that saved them. "
+            f"To change it, {consolidate}"
+        )
 
 
-def read_sharded(path: Path, strategy: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Read this rank's shard and the saved ``extra`` (collective: every rank calls it).
+def _read_checked(path: Path, index: dict[str, Any], to_hash: list[str]) -> Opened:
+    verify_sha256(path, index, to_hash)
+    extra: dict[str, Any] | None = read_torch(path / index["extra"])["extra"]
+    if index.get("layout", "rank_files") != "dcp":
+        return Opened(index, extra, None)
+    data = index["metadata"].split("/")[0]
+    readable = {
+        name.split("/", 1)[1]
+        for name in index["files"]
+        if name.startswith(f"{data}/") and name not in (index["metadata"], index["extra"])
+    }
+    return Opened(index, extra, read_metadata(path / index["metadata"], readable))
 
-    Returns:
-        ``(shard, extra)``.
+
+def _share_to_hash(index: dict[str, Any], rank: int, world: int) -> list[str]:
+    own = [index["extra"]]
+    if index.get("layout", "rank_files") == "dcp":  # any rank may read any data file
+        own.append(index["metadata"])
+        data = sorted(set(index["files"]) - {index["extra"], index["metadata"]})
+        return [*data[rank::world], *own]
+    return [index["shards"][rank], *own]
+
+
+def open_sharded(path: Path, strategy: str) -> Opened:
+    """Check a sharded checkpoint before loading it (collective: every rank calls it).
+
+    Every file's size is compared on every rank and each data file's SHA-256 on one rank;
+    the metadata and ``extra`` (which every rank parses) on each.
 
     Raises:
         CheckpointError: On every rank, when any rank finds a missing, truncated or changed
-            file, another world size, or a strategy whose shards do not fit.
+            file, unsafe metadata, or a model it does not load into.
 
     Examples:
         See :func:`write_sharded`.
     """
     rank, world = rank_and_world()
 
-    def read() -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def read() -> Opened:
         index = read_index(path, verify=False)
-        if index["world_size"] != world:
-            raise CheckpointError(
-                f"{path} is a sharded checkpoint saved on {index['world_size']} ranks, and "
-                f"this run has {world}: a sharded checkpoint loads only at the world size that "
-                f"saved it. Consolidate it (python -m fsdp_guide consolidate {path} FILE) and "
-                "load the full file"
-            )
-        saved = index["strategy"]
-        torch_fsdp = ("fsdp1", "fsdp2")
-        if saved != strategy and not (saved in torch_fsdp and strategy in torch_fsdp):
-            raise CheckpointError(
-                f"{path} was saved by {saved!r} shards and this model is {strategy!r}; "
-                "consolidate it into a full checkpoint to change strategy"
-            )
-        for name in (index["shards"][rank], index["extra"]):  # what this rank reads
-            if sha256_of(path / name) != index["files"][name]["sha256"]:
-                raise CheckpointError(f"{path / name} does not match its SHA-256 in the index")
-        shard = read_torch(path / index["shards"][rank])
-        extra: dict[str, Any] | None = read_torch(path / index["extra"])["extra"]
-        return shard, extra
+        _check_fits(path, index, strategy, world)
+        return _read_checked(path, index, _share_to_hash(index, rank, world))
 
-    result, error = attempt(read)
-    agree(error)
-    assert result is not None
-    return result
+    opened, failure = attempt(read)
+    agree(failure)
+    assert opened is not None
+    return opened
 
 
-def read_all_shards(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], Any]:
-    """Read the index, every shard and ``extra`` in one process, all hashes checked.
-
-    Returns:
-        ``(index, shards ordered by rank, extra)``.
+def open_offline(path: Path) -> Opened:
+    """Check a sharded checkpoint in one process, every file's hash included.
 
     Raises:
         CheckpointError: Not a complete, intact sharded checkpoint.
 
     Examples:
         >>> import tempfile
-        >>> read_all_shards(Path(tempfile.mkdtemp()))
+        >>> open_offline(Path(tempfile.mkdtemp()))
         Traceback (most recent call last):
         ...
         fsdp_guide.errors.CheckpointError: no index.json in ...
     """
     index = read_index(path, verify=True)
-    shards = [read_torch(path / name) for name in index["shards"]]
-    return index, shards, read_torch(path / index["extra"])["extra"]
+    if index.get("layout", "rank_files") == "rank_files" and index["strategy"] != "fairscale_fsdp":
+        _check_fits(path, index, index["strategy"], index["world_size"])  # refuses format 1
+    return _read_checked(path, index, [])

@@ -11,7 +11,10 @@ structure of tensors and plain values into bytes on disk and back, safely.
   object is built, so no code in it runs. A file that is not a zip archive (what
   ``torch.save`` writes) is refused as truncated or corrupt before anything parses it.
 * A sharded checkpoint is a directory whose ``index.json`` is written last and names every
-  file with its size and SHA-256, so a missing or truncated shard is found before loading.
+  file with its size and SHA-256, so a missing, truncated or changed file is found before
+  loading. (The hash proves integrity, not origin: whoever writes a file can write a
+  matching index. Safety comes from how each file is parsed; see
+  :mod:`fsdp_guide.checkpoint._dcp` for DCP's pickled ``.metadata``.)
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import uuid
 import zipfile
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,12 @@ import torch
 from fsdp_guide.errors import CheckpointError
 
 INDEX_NAME = "index.json"
+# 2: torch FSDP shards are a torch.distributed.checkpoint (DCP) directory; full files and
+# FairScale shards have not changed since 1, and load as before.
+FORMAT_VERSION = 2
+FULL_FORMAT = "fsdp_guide.full"
+SHARDED_FORMAT = "fsdp_guide.sharded"
+DATA_DIR = re.compile(r"data-[0-9a-f]{12}")  # the only sub-directories a sharded save names
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
@@ -74,8 +85,14 @@ def check_weights_only_value(value: Any, where: str = "extra") -> None:
     )
 
 
-def _fsync_directory(directory: Path) -> None:
-    # Makes the rename itself durable; not every filesystem allows opening a directory.
+def fsync_directory(directory: Path) -> None:
+    """Make the entries of ``directory`` (new and renamed files) durable, where allowed.
+
+    Examples:
+        >>> import tempfile
+        >>> fsync_directory(Path(tempfile.mkdtemp()))
+    """
+    # Not every filesystem allows opening a directory: then this is a no-op.
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -97,7 +114,7 @@ def _atomic_write(target: Path, write: Any) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-    _fsync_directory(target.parent)
+    fsync_directory(target.parent)
 
 
 def atomic_write_torch(target: Path, payload: Any) -> None:
@@ -182,20 +199,55 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def verify_sha256(directory: Path, index: dict[str, Any], names: Iterable[str]) -> None:
+    """Compare the SHA-256 of each file in ``names`` with the one ``index`` records.
+
+    Raises:
+        CheckpointError: Naming the first file whose bytes changed after saving.
+
+    Examples:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> _ = (root / "a").write_bytes(b"")
+        >>> verify_sha256(root, {"files": {"a": {"sha256": "0" * 64}}}, ["a"])
+        Traceback (most recent call last):
+        ...
+        fsdp_guide.errors.CheckpointError: a in ... does not match its SHA-256 in the index: ...
+    """
+    for name in names:
+        if sha256_of(directory / name) != index["files"][name]["sha256"]:
+            raise CheckpointError(
+                f"{name} in {directory} does not match its SHA-256 in the index: it was "
+                "changed after saving; copy it again or use an earlier checkpoint"
+            )
+
+
+def _check_file_name(directory: Path, name: Any) -> None:
+    # Only "data-<id>/<file>": an index must not make a load open files elsewhere.
+    parts = name.split("/") if isinstance(name, str) else []
+    if len(parts) != 2 or not DATA_DIR.fullmatch(parts[0]) or parts[1] in ("", ".", ".."):
+        raise CheckpointError(
+            f"{directory / INDEX_NAME} names {name!r}, which is not a file of a data-<id> "
+            "directory: the index is corrupt or was not written by fsdp_guide"
+        )
+
+
 def read_index(directory: Path, verify: bool = True) -> dict[str, Any]:
     """Read ``index.json`` of a sharded checkpoint and check every file it names.
 
     Args:
         directory: The checkpoint directory.
-        verify: Also compare each file's SHA-256 (sizes are always compared).
+        verify: Also compare each file's SHA-256 (sizes are always compared); see
+            :func:`verify_sha256` to hash some files only.
 
     Returns:
-        The index: ``format``, ``version``, ``strategy``, ``world_size``, ``files``
-        (relative path to ``{"size", "sha256"}``) and ``shards`` (one relative path per rank).
+        The index: ``format``, ``version``, ``strategy``, ``world_size``, ``layout``,
+        ``data`` (the ``data-<id>`` directory), ``optimizer`` (its class and state keys, or
+        ``None``) and ``files`` (relative path to ``{"size", "sha256"}``).
 
     Raises:
-        CheckpointError: No index (an unfinished or foreign directory), a file missing,
-            of the wrong size or with the wrong hash.
+        CheckpointError: No index (an unfinished or foreign directory), an index of a newer
+            format, a file missing, of the wrong size or with the wrong hash.
 
     Examples:
         >>> import tempfile
@@ -215,24 +267,30 @@ def read_index(directory: Path, verify: bool = True) -> dict[str, Any]:
         index: dict[str, Any] = json.loads(index_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{index_path} is not valid JSON ({exc})") from exc
-    if index.get("format") != "fsdp_guide.sharded":
+    if not isinstance(index, dict) or index.get("format") != SHARDED_FORMAT:
         raise CheckpointError(f"{index_path} is not an fsdp_guide sharded checkpoint index")
-    for name, info in index["files"].items():
+    if not isinstance(index.get("version"), int) or index["version"] > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{index_path} has format version {index.get('version')!r}; this fsdp_guide reads "
+            f"versions up to {FORMAT_VERSION}: upgrade fsdp_guide"
+        )
+    files = index.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{index_path} lists no files: the index is corrupt")
+    for name, info in files.items():
+        _check_file_name(directory, name)
         path = directory / name
         if not path.is_file():
             raise CheckpointError(
-                f"missing shard {name} in {directory} (the index lists {len(index['files'])} "
+                f"missing checkpoint file {name} in {directory} (the index lists {len(files)} "
                 "files); copy the whole directory, or use an earlier checkpoint"
             )
         size = path.stat().st_size
         if size != info["size"]:
             raise CheckpointError(
-                f"shard {name} in {directory} is truncated or changed: {size} bytes, the index "
+                f"{name} in {directory} is truncated or changed: {size} bytes, the index "
                 f"says {info['size']}; copy it again or use an earlier checkpoint"
             )
-        if verify and sha256_of(path) != info["sha256"]:
-            raise CheckpointError(
-                f"shard {name} in {directory} does not match its SHA-256 in the index: it was "
-                "changed after saving; copy it again or use an earlier checkpoint"
-            )
+    if verify:
+        verify_sha256(directory, index, files)
     return index

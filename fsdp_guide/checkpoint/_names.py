@@ -145,3 +145,119 @@ def optimizer_state_by_position(state: _OptimizerState, groups: list[list[str]])
             for g, live in zip(state["param_groups"], groups, strict=True)
         ],
     }
+
+
+def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that keeps the state: the local one inside ZeRO or OSS, else ``optimizer``.
+
+    Examples:
+        >>> sgd = torch.optim.SGD(nn.Linear(2, 1).parameters())
+        >>> inner_optimizer(sgd) is sgd
+        True
+    """
+    inner = getattr(optimizer, "optim", None)  # ZeroRedundancyOptimizer and OSS keep it here
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def state_keys(state: dict[Any, Any]) -> list[str]:
+    """The per-parameter keys of an optimizer state (``state_dict()["state"]``), sorted.
+
+    Examples:
+        >>> state_keys({0: {"step": 1, "exp_avg": 0}, 1: {"step": 1, "exp_avg": 0}})
+        ['exp_avg', 'step']
+    """
+    return sorted({str(key) for per_param in state.values() for key in per_param})
+
+
+def optimizer_record(
+    optimizer: torch.optim.Optimizer | None, state: dict[Any, Any] | None
+) -> dict[str, Any] | None:
+    """What a checkpoint records about its optimizer: its class and the keys of its state.
+
+    Examples:
+        >>> sgd = torch.optim.SGD(nn.Linear(2, 1).parameters(), momentum=0.9)
+        >>> optimizer_record(sgd, {"w": {"momentum_buffer": None}})
+        {'class': 'SGD', 'state_keys': ['momentum_buffer']}
+    """
+    if optimizer is None or state is None:
+        return None
+    return {"class": type(inner_optimizer(optimizer)).__name__, "state_keys": state_keys(state)}
+
+
+# Options that pick an implementation, not the state: left at their defaults for the probe.
+_IMPLEMENTATION_OPTIONS = ("params", "foreach", "fused", "capturable", "differentiable")
+
+
+def expected_state_keys(optimizer: torch.optim.Optimizer) -> list[str] | None:
+    """The per-parameter state keys ``optimizer`` keeps once it has stepped, without stepping it.
+
+    From its own state if it has any; else from a probe: an optimizer of the same class and
+    hyperparameters, stepped once on a one-element parameter. ``None`` if that fails (an
+    optimizer class with other constructor arguments, say).
+
+    Examples:
+        >>> params = nn.Linear(2, 1).parameters()
+        >>> expected_state_keys(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+        ['momentum_buffer']
+        >>> expected_state_keys(torch.optim.Adam(nn.Linear(2, 1).parameters()))
+        ['exp_avg', 'exp_avg_sq', 'step']
+    """
+    inner = inner_optimizer(optimizer)
+    if inner.state:
+        return state_keys(dict(inner.state))
+    groups = []
+    for group in optimizer.param_groups:
+        dummy = torch.zeros(1, requires_grad=True)
+        dummy.grad = torch.zeros(1)
+        hyper = {k: v for k, v in group.items() if k not in _IMPLEMENTATION_OPTIONS}
+        groups.append({**hyper, "params": [dummy]})
+    try:
+        probe: torch.optim.Optimizer = type(inner)(groups)  # type: ignore[call-arg]
+        probe.step()
+    except Exception:
+        return None
+    return state_keys(dict(probe.state))
+
+
+def check_optimizer_fits(saved: dict[str, Any] | None, optimizer: torch.optim.Optimizer) -> None:
+    """Raise unless the optimizer state that ``saved`` describes loads into ``optimizer``.
+
+    Args:
+        saved: ``{"class", "state_keys"}`` of the checkpoint (``class`` may be ``None`` in
+            files that did not record it).
+        optimizer: The optimizer to load into.
+
+    Raises:
+        CheckpointError: The optimizer classes differ, or the state keys the checkpoint holds
+            differ from those the optimizer keeps; naming both.
+
+    Examples:
+        >>> adam_state = {"class": "AdamW", "state_keys": ["exp_avg", "exp_avg_sq", "step"]}
+        >>> check_optimizer_fits(adam_state, torch.optim.AdamW(nn.Linear(2, 1).parameters()))
+        >>> sgd = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1, momentum=0.9)
+        >>> check_optimizer_fits(adam_state, sgd)
+        Traceback (most recent call last):
+        ...
+        fsdp_guide.errors.CheckpointError: the checkpoint's optimizer state does not fit this \
+optimizer: the checkpoint holds AdamW state (exp_avg, exp_avg_sq, step), this optimizer is \
+SGD, which keeps (momentum_buffer). Build the optimizer the checkpoint was saved with \
+(AdamW), or pass optimizer=None to load the model only
+    """
+    if saved is None:
+        return
+    saved_class, saved_keys = saved.get("class"), list(saved["state_keys"])
+    live_class = type(inner_optimizer(optimizer)).__name__
+    expected = expected_state_keys(optimizer)
+    class_differs = saved_class is not None and saved_class != live_class
+    # A checkpoint taken before the first step holds no state: that fits any optimizer.
+    keys_differ = bool(saved_keys) and expected is not None and set(saved_keys) != set(expected)
+    if not (class_differs or keys_differ):
+        return
+    keeps = "(unknown)" if expected is None else f"({', '.join(expected) or 'no state'})"
+    build = f" ({saved_class})" if saved_class else ""
+    raise CheckpointError(
+        f"the checkpoint's optimizer state does not fit this optimizer: the checkpoint holds "
+        f"{saved_class or 'an optimizer'} state ({', '.join(saved_keys) or 'none yet'}), this "
+        f"optimizer is {live_class}, which keeps {keeps}. Build the optimizer the checkpoint "
+        f"was saved with{build}, or pass optimizer=None to load the model only"
+    )

@@ -1,177 +1,161 @@
-"""One rank's shard of the training state, and stitching shards back into a full state.
+"""A sharded checkpoint's state: written and read per rank, and made whole offline.
 
-For PyTorch FSDP1 and FSDP2 the sharded state comes from
-:func:`torch.distributed.checkpoint.state_dict.get_state_dict`, whose values are
-``ShardedTensor`` (FSDP1) or ``DTensor`` (FSDP2). A shard file keeps only plain tensors:
-the rank's local piece of each value, and in ``layout`` the whole tensor's shape and where
-the piece starts in it. That is enough to load at the same world size and to consolidate
-offline, and the file reads back with ``torch.load(weights_only=True)``. (We do not use
-:func:`torch.distributed.checkpoint.save`'s own file format because its ``.metadata`` file is
-an unrestricted pickle.)
+PyTorch FSDP1 and FSDP2 take their sharded state from
+:func:`torch.distributed.checkpoint.state_dict.get_state_dict` (``ShardedTensor`` or
+``DTensor`` values keyed by parameter name) and write it with DCP
+(:mod:`fsdp_guide.checkpoint._dcp`), which records where every piece lies in its whole
+tensor. A load reads the pieces this rank's sharding needs, whatever the world size and
+sharding that saved them: FSDP1 and FSDP2 load each other's checkpoints, and a plain module
+or DDP reads whole tensors from one. The load goes into a copy of this rank's state (on its
+device) and is applied with ``set_state_dict`` only once every read succeeded, so a failed
+load leaves the model as it was; the copy costs one more sharded state per rank meanwhile.
 
 FairScale FSDP keeps its own local state dict and the metadata its
-``consolidate_shard_weights`` needs.
+``consolidate_shard_weights`` needs, one ``rank<N>.pt`` per rank, loadable only at the world
+size that saved it.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from fsdp_guide.checkpoint._names import check_names_and_shapes, shape_of
-from fsdp_guide.checkpoint._state import Strategy
+from fsdp_guide.checkpoint import _dcp
+from fsdp_guide.checkpoint._dir import (
+    Opened,
+    agree,
+    attempt,
+    rank_and_world,
+    shard_name,
+)
+from fsdp_guide.checkpoint._io import atomic_write_torch, read_torch
+from fsdp_guide.checkpoint._names import check_names_and_shapes, optimizer_record, shape_of
+from fsdp_guide.checkpoint._state import Strategy, kept_fresh, without_state
 from fsdp_guide.errors import CheckpointError
 
-_Layout = dict[str, dict[str, list[int]]]
+Writer = Callable[[Path], list[str]]
 
 
-def _local_piece(value: Any) -> tuple[torch.Tensor, dict[str, list[int]] | None]:
-    """The local tensor of a DTensor / ShardedTensor and its place in the whole tensor."""
-    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        # Private helper, but the one DCP itself uses to place a DTensor's local piece.
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        _, offset = compute_local_shape_and_global_offset(
-            value.shape, value.device_mesh, value.placements
-        )
-        whole = [int(n) for n in value.shape]
-        return value.to_local(), {"shape": whole, "offset": [int(n) for n in offset]}
-    if isinstance(value, ShardedTensor):
-        shards = value.local_shards()
-        shape = [int(n) for n in value.size()]
-        if not shards:  # more ranks than rows: this rank holds nothing of it
-            return torch.empty(0), {"shape": shape, "offset": []}
-        if len(shards) > 1:
-            raise CheckpointError("a ShardedTensor with several local shards is not supported")
-        start = [int(n) for n in shards[0].metadata.shard_offsets]
-        return shards[0].tensor, {"shape": shape, "offset": start}
-    return value, None
-
-
-def _split(value: Any, path: str, layout: _Layout) -> Any:
-    if isinstance(value, dict):
-        return {k: _split(v, f"{path}/{k}", layout) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_split(v, f"{path}/{i}", layout) for i, v in enumerate(value))
-    if isinstance(value, torch.Tensor):
-        local, place = _local_piece(value)
-        if place is not None:
-            layout[path] = place
-        return local.detach().to("cpu", copy=True)
-    return value
-
-
-def get_sharded_state(
+def sharded_writer(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy
-) -> dict[str, Any]:
-    """This rank's shard of the state, as plain tensors (collective: call on every rank).
+) -> tuple[dict[str, Any], Writer]:
+    """Take this rank's sharded state now (collective) and say how to write it.
 
     Returns:
-        ``{"model", "optimizer", "layout"}``; for FairScale FSDP also ``"metadata"``.
+        ``(header, write)`` for :func:`fsdp_guide.checkpoint._dir.write_sharded`: what the
+        index records (``strategy``, ``layout``, ``optimizer``), and the writer.
 
     Raises:
         ValueError: For a strategy that does not shard parameters.
-
-    Examples:
-        FSDP2 on a one-rank gloo group (the shard is then the whole tensor):
-
-        >>> import torch.distributed as dist
-        >>> from torch.distributed.device_mesh import init_device_mesh
-        >>> from torch.distributed.fsdp import fully_shard
-        >>> from fsdp_guide import dist_init, find_free_port
-        >>> dist_init(0, 1, master_port=find_free_port())
-        >>> model = fully_shard(nn.Linear(4, 2), mesh=init_device_mesh("cpu", (1,)))
-        >>> shard = get_sharded_state(model, None, "fsdp2")
-        >>> shard["layout"]["model/weight"], type(shard["model"]["weight"]).__name__
-        ({'shape': [2, 4], 'offset': [0, 0]}, 'Tensor')
-        >>> set_sharded_state(model, None, "fsdp2", shard)
-        >>> dist.destroy_process_group()
     """
+    rank, world = rank_and_world()
     if strategy == "fairscale_fsdp":
-        return {
+        shard = {
             "model": dict(model.local_state_dict()),  # type: ignore[operator]
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "metadata": model.local_metadata_dict(),  # type: ignore[operator]
-            "layout": {},
         }
+
+        def write_rank_file(data: Path) -> list[str]:
+            atomic_write_torch(data / shard_name(rank), shard)
+            return [shard_name(rank)]
+
+        record = optimizer_record(optimizer, shard["optimizer"] and shard["optimizer"]["state"])
+        header = {"strategy": strategy, "layout": "rank_files", "optimizer": record}
+        return header, write_rank_file
     if strategy not in ("fsdp1", "fsdp2"):
         raise ValueError(f"strategy {strategy!r} has no sharded state")
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    options = StateDictOptions(full_state_dict=False)
-    model_state, optim_state = get_state_dict(
-        model, [optimizer] if optimizer is not None else [], options=options
-    )
-    layout: _Layout = {}
+    optimizers = [optimizer] if optimizer is not None else []
+    with kept_fresh(optimizer) as fresh:
+        model_state, optim_state = get_state_dict(
+            model, optimizers, options=StateDictOptions(full_state_dict=False)
+        )
+    state: dict[str, Any] = {"model": model_state}
+    if optimizer is not None:
+        state["optimizer"] = without_state(dict(optim_state)) if fresh else optim_state
+
+    def write_dcp(data: Path) -> list[str]:
+        files = _dcp.save(data, state)  # collective; DCP agrees on failures itself
+        return files[rank::world]  # each file hashed by one rank
+
+    saved_state: Any = state["optimizer"]["state"] if optimizer is not None else None
+    record = optimizer_record(optimizer, saved_state)
+    return {"strategy": strategy, "layout": "dcp", "optimizer": record}, write_dcp
+
+
+def _saved_leaves(metadata: Metadata) -> dict[tuple[str | int, ...], tuple[int, ...]]:
+    """Key path of every saved value, with its whole shape (``()`` for a non-tensor)."""
+    mappings = metadata.planner_data or {}
     return {
-        "model": _split(dict(model_state), "model", layout),
-        "optimizer": _split(dict(optim_state), "optimizer", layout) if optimizer else None,
-        "layout": layout,
+        mappings.get(fqn, (fqn,)): (
+            tuple(item.size) if isinstance(item, TensorStorageMetadata) else ()
+        )
+        for fqn, item in metadata.state_dict_metadata.items()
     }
 
 
-def _leaves(value: Any, path: str) -> dict[str, Any]:
+def _check_against_metadata(state: dict[str, Any], metadata: Metadata) -> None:
+    """Raise when ``state`` (model, optimizer) wants what the checkpoint does not hold."""
+    leaves = _saved_leaves(metadata)
+    saved_model = {
+        str(p[1]): shape for p, shape in leaves.items() if len(p) == 2 and p[0] == "model"
+    }
+    live_model = {
+        k: shape_of(v) if isinstance(v, torch.Tensor) else () for k, v in state["model"].items()
+    }
+    check_names_and_shapes(live_model, saved_model)
+    if "optimizer" not in state:
+        return
+    saved_params = {str(p[2]) for p in leaves if len(p) > 2 and p[:2] == ("optimizer", "state")}
+    live_params = set(state["optimizer"]["state"])
+    if saved_params and saved_params != live_params:
+        check_names_and_shapes(
+            dict.fromkeys(live_params, ()),
+            dict.fromkeys(saved_params, ()),
+            what="optimizer's parameters",
+        )
+    saved_groups = len(
+        {p[2] for p in leaves if len(p) > 2 and p[:2] == ("optimizer", "param_groups")}
+    )
+    if saved_groups != len(state["optimizer"]["param_groups"]):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {saved_groups} parameter groups and this one "
+            f"{len(state['optimizer']['param_groups'])}; build the optimizer with the same "
+            "groups as when saving"
+        )
+    if not saved_params:  # saved before the first step: the groups are all there is
+        state["optimizer"] = without_state(state["optimizer"])
+
+
+def _loading_copy(value: Any) -> Any:
+    """A copy of a state dict to load into: same structure, sharding and device."""
     if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_leaves(v, f"{path}/{k}"))
-        return out
-    return {path: value}
+        return {k: _loading_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_loading_copy(v) for v in value]
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        return copy.deepcopy(value)  # its local shards and their global metadata
+    if isinstance(value, torch.Tensor):  # DTensor included: local piece and placements
+        return value.detach().clone()
+    return value
 
 
-def _copy_into(template: Any, saved: Any, path: str, check_only: bool = False) -> Any:
-    """Copy saved local pieces into the live sharded template; plain values are replaced.
-
-    With ``check_only`` nothing is copied: a first pass finds any mismatch before the
-    second pass changes a single parameter, so a failed load leaves the model as it was.
-    """
-    if isinstance(template, dict):
-        if not isinstance(saved, dict) or set(saved) != set(template):
-            raise CheckpointError(
-                f"{path}: the checkpoint's entries differ from this model's; load with the "
-                "same model, optimizer and sharding that saved it"
-            )
-        return {k: _copy_into(v, saved[k], f"{path}/{k}", check_only) for k, v in template.items()}
-    if isinstance(template, torch.Tensor):
-        local, _ = _local_piece(template)
-        if not isinstance(saved, torch.Tensor) or tuple(local.shape) != tuple(saved.shape):
-            found = list(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
-            raise CheckpointError(
-                f"{path}: this rank's shard has shape {list(local.shape)} but the checkpoint's "
-                f"has {found}; load with the same sharding that saved it, or consolidate the "
-                "checkpoint and load the full one"
-            )
-        if not check_only:
-            with torch.no_grad():
-                local.copy_(saved)
-        return template
-    return saved
-
-
-def set_sharded_state(
+def _load_dcp(
+    data: Path,
+    metadata: Metadata,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    strategy: Strategy,
-    shard: dict[str, Any],
 ) -> None:
-    """Load this rank's shard (from :func:`get_sharded_state`) into a model of the same sharding.
-
-    Raises:
-        CheckpointError: Names or shapes differ (the message lists them).
-
-    Examples:
-        See :func:`get_sharded_state`.
-    """
-    if strategy == "fairscale_fsdp":
-        model.load_local_state_dict(shard["model"])  # type: ignore[operator]
-        if optimizer is not None and shard["optimizer"] is not None:
-            optimizer.load_state_dict(shard["optimizer"])
-        return
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_state_dict,
@@ -180,111 +164,77 @@ def set_sharded_state(
 
     options = StateDictOptions(full_state_dict=False)
     optimizers = [optimizer] if optimizer is not None else []
-    model_live, optim_live = get_state_dict(model, optimizers, options=options)
-    layout = shard["layout"]
-    saved_shapes = {
-        k: tuple(layout[f"model/{k}"]["shape"] if f"model/{k}" in layout else v.shape)
-        for k, v in shard["model"].items()
-    }
-    live_shapes = {k: shape_of(v) for k, v in model_live.items()}
-    check_names_and_shapes(live_shapes, saved_shapes)
-    optim_saved: dict[str, Any] = {}
-    if optimizer is not None and shard["optimizer"] is not None:
-        saved_leaves = set(_leaves(shard["optimizer"]["state"], "state"))
-        live_leaves = set(_leaves(dict(optim_live)["state"], "state"))
-        if saved_leaves != live_leaves:
-            check_names_and_shapes(
-                dict.fromkeys(live_leaves, ()),
-                dict.fromkeys(saved_leaves, ()),
-                what="optimizer",
-            )
-        optim_saved = shard["optimizer"]["state"]
-    pairs: list[tuple[Any, Any, str]] = [(dict(model_live), shard["model"], "model")]
-    if optim_saved:
-        pairs.append((dict(optim_live)["state"], optim_saved, "state"))
-    for live, saved, path in pairs:  # every check before the first copy
-        _copy_into(live, saved, path, check_only=True)
-    model_new = _copy_into(dict(model_live), shard["model"], "model")
-    optim_new: dict[str, Any] = {}
-    if optim_saved:
-        optim_new = {
-            "state": _copy_into(dict(optim_live)["state"], optim_saved, "state"),
-            "param_groups": shard["optimizer"]["param_groups"],
-        }
-    set_state_dict(model, optimizers, model_state_dict=model_new, optim_state_dict=optim_new)
+    fresh = optimizer is not None and not optimizer.state
+    try:
+        # get_state_dict steps a fresh optimizer once (lr 0, zero gradients) to create state.
+        model_live, optim_live = get_state_dict(model, optimizers, options=options)
+        state: dict[str, Any] = {"model": dict(model_live)}
+        if optimizer is not None:
+            state["optimizer"] = dict(optim_live)
+        _, failure = attempt(lambda: _check_against_metadata(state, metadata))
+        agree(failure)
+        target = _loading_copy(state)
+        _, failure = attempt(lambda: _dcp.load(data, target, metadata))
+        agree(failure)
+    except BaseException:
+        if optimizer is not None and fresh:
+            optimizer.state.clear()  # as it was before get_state_dict
+        raise
+    set_state_dict(
+        model,
+        optimizers,
+        model_state_dict=target["model"],
+        optim_state_dict=target.get("optimizer", {}),
+        options=options,
+    )
+    if optimizer is not None and not target["optimizer"]["state"]:
+        optimizer.state.clear()  # saved before its first step: fresh, as it was then
 
 
-def _assemble(pieces: list[tuple[torch.Tensor, dict[str, list[int]]]], path: str) -> torch.Tensor:
-    shape = pieces[0][1]["shape"]
-    full = torch.empty(shape, dtype=pieces[0][0].dtype)
-    covered = 0
-    for local, place in pieces:
-        if not place["offset"] or local.numel() == 0:
-            continue
-        index = tuple(
-            slice(start, start + size)
-            for start, size in zip(place["offset"], local.shape, strict=True)
-        )
-        full[index] = local
-        covered += local.numel()
-    if covered != full.numel():
-        raise CheckpointError(
-            f"{path}: the shards cover {covered} of {full.numel()} elements; a shard is "
-            "missing or was saved by a different run"
-        )
-    return full
-
-
-def _stitch(value: Any, path: str, shards: list[dict[str, Any]], flat: list[dict[str, Any]]) -> Any:
-    if isinstance(value, dict):
-        return {k: _stitch(v, f"{path}/{k}", shards, flat) for k, v in value.items()}
-    if isinstance(value, torch.Tensor) and path in shards[0]["layout"]:
-        try:
-            pieces = [
-                (leaves[path], s["layout"][path]) for leaves, s in zip(flat, shards, strict=True)
-            ]
-        except KeyError as exc:
-            raise CheckpointError(
-                f"{path} is missing from a shard; the shards do not match"
-            ) from exc
-        return _assemble(pieces, path)
-    return value
-
-
-def consolidate_shards(
-    shards: list[dict[str, Any]], strategy: Strategy
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Stitch every rank's shard (ordered by rank) into a full model and optimizer state.
-
-    Runs offline, in one process. The optimizer state is keyed by parameter name, like a
-    full checkpoint's. For FairScale FSDP only the model is consolidated (its optimizer
-    shards have no offline consolidation), so the optimizer state is ``None``.
+def load_sharded_state(
+    path: Path,
+    opened: Opened,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """Load a checked sharded checkpoint into this rank's model (collective).
 
     Raises:
-        CheckpointError: The shards do not cover every tensor.
-
-    Examples:
-        >>> piece = {"shape": [4], "offset": [0]}
-        >>> shards = [
-        ...     {"model": {"w": torch.tensor([1.0, 2.0])}, "optimizer": None,
-        ...      "layout": {"model/w": piece}},
-        ...     {"model": {"w": torch.tensor([3.0, 4.0])}, "optimizer": None,
-        ...      "layout": {"model/w": {"shape": [4], "offset": [2]}}},
-        ... ]
-        >>> consolidate_shards(shards, "fsdp2")
-        ({'w': tensor([1., 2., 3., 4.])}, None)
+        CheckpointError: On every rank: names, shapes or parameter groups differ (listed),
+            or a file failed to read.
     """
-    if strategy == "fairscale_fsdp":
-        from fairscale.nn.data_parallel import FullyShardedDataParallel
+    index = opened.index
+    if opened.metadata is not None:
+        _load_dcp(path / index["metadata"].split("/")[0], opened.metadata, model, optimizer)
+        return
+    rank, _ = rank_and_world()
+    shard, failure = attempt(lambda: read_torch(path / index["shards"][rank]))
+    agree(failure)
+    assert shard is not None
+    model.load_local_state_dict(shard["model"])  # type: ignore[operator]
+    if optimizer is not None:
+        optimizer.load_state_dict(shard["optimizer"])
 
-        weights = FullyShardedDataParallel.consolidate_shard_weights(
-            [s["model"] for s in shards], [s["metadata"] for s in shards]
-        )
-        return dict(weights), None
-    flat_models = [_leaves(s["model"], "model") for s in shards]
-    model_state = _stitch(shards[0]["model"], "model", shards, flat_models)
-    optim = shards[0]["optimizer"]
-    if optim is None:
-        return model_state, None
-    flat_optims = [_leaves(s["optimizer"], "optimizer") for s in shards]
-    return model_state, _stitch(optim, "optimizer", shards, flat_optims)
+
+def consolidate_state(path: Path, opened: Opened) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The whole model and optimizer state of a checked sharded checkpoint, in this process.
+
+    The optimizer state is keyed by parameter name, like a full checkpoint's. For FairScale
+    FSDP only the model is consolidated (its optimizer shards have no offline
+    consolidation), so the optimizer state is ``None``.
+
+    Raises:
+        CheckpointError: A file could not be read or was refused.
+    """
+    index = opened.index
+    if opened.metadata is not None:
+        data = path / index["metadata"].split("/")[0]
+        whole = _dcp.load_everything(data, opened.metadata)
+        return whole.get("model", {}), whole.get("optimizer")
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+    shards = [read_torch(path / name) for name in index["shards"]]
+    weights = FullyShardedDataParallel.consolidate_shard_weights(
+        [s["model"] for s in shards], [s["metadata"] for s in shards]
+    )
+    return dict(weights), None

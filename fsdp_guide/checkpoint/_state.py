@@ -6,13 +6,14 @@ prefixes (``module.``, ``_fsdp_wrapped_module.``), whole tensors, and an optimiz
 keyed by parameter name instead of position, so it loads into any strategy at any world
 size. A *sharded* state is what one rank holds (PyTorch FSDP1 and FSDP2 through
 :mod:`torch.distributed.checkpoint.state_dict`; FairScale FSDP through its local state
-dict), with the offset of each shard in its whole tensor so shards can be stitched together
-offline (``fsdp_guide/checkpoint/_shards.py``).
+dict); ``fsdp_guide/checkpoint/_shards.py`` writes and reads it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -30,6 +31,9 @@ Strategy = Literal[
     "module", "ddp", "zero", "oss", "sharded_ddp", "fsdp1", "fsdp2", "fairscale_fsdp"
 ]
 SHARDED_STRATEGIES: tuple[str, ...] = ("fsdp1", "fsdp2", "fairscale_fsdp")
+# What a DCP checkpoint (PyTorch FSDP shards) loads into, at any world size: whatever
+# torch.distributed.checkpoint.state_dict takes a state dict from.
+DCP_TARGETS: tuple[str, ...] = ("fsdp1", "fsdp2", "module", "ddp")
 _OptimizerState = dict[str, Any]
 
 
@@ -107,6 +111,43 @@ def _is_torch_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule | FSDP1)
 
 
+@contextlib.contextmanager
+def kept_fresh(optimizer: torch.optim.Optimizer | None) -> Iterator[bool]:
+    """Keep an optimizer that has not stepped yet without state through DCP's state dict calls.
+
+    ``get_state_dict`` and ``set_state_dict`` create the state of an optimizer that has none
+    by stepping it once with lr 0: its step counts become 1 and its moments 0, which changes
+    its next update (Adam's bias correction), so a checkpoint taken before the first step
+    would change the run it was taken from. Yields whether ``optimizer`` has no state; if
+    so, it has none again on leaving.
+
+    Examples:
+        >>> layer = nn.Linear(2, 1)
+        >>> adam = torch.optim.Adam(layer.parameters())
+        >>> with kept_fresh(adam) as fresh:
+        ...     layer(torch.ones(1, 2)).sum().backward()
+        ...     adam.step()
+        >>> fresh, len(adam.state)
+        (True, 0)
+    """
+    fresh = optimizer is not None and not optimizer.state
+    try:
+        yield fresh
+    finally:
+        if optimizer is not None and fresh:
+            optimizer.state.clear()
+
+
+def without_state(optim_state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict with its per-parameter state dropped (groups kept).
+
+    Examples:
+        >>> without_state({"state": {"w": {"step": 1}}, "param_groups": [{"lr": 0.1}]})
+        {'state': {}, 'param_groups': [{'lr': 0.1}]}
+    """
+    return {**optim_state, "state": {}} if "param_groups" in optim_state else optim_state
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -145,10 +186,11 @@ def gather_full_fsdp_state(
 
         # cpu_offload=True with full_state_dict=True is DCP's rank-0-only mode (CPU too).
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state, optim_state = get_state_dict(
-            model, [optimizer] if optimizer is not None else [], options=options
-        )
-        return dict(model_state), dict(optim_state)
+        with kept_fresh(optimizer) as fresh:
+            model_state, optim_state = get_state_dict(
+                model, [optimizer] if optimizer is not None else [], options=options
+            )
+        return dict(model_state), without_state(dict(optim_state)) if fresh else dict(optim_state)
     from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
@@ -264,6 +306,34 @@ def expected_model_shapes(model: nn.Module, strategy: Strategy) -> dict[str, tup
     return {k: shape_of(v) for k, v in unwrap(model).state_dict().items()}
 
 
+def own_storage(value: Any, seen: set[int] | None = None) -> Any:
+    """``value`` with each tensor that shares storage with an earlier one replaced by a copy.
+
+    FSDP1's full optimizer state gives the parameters of one flat parameter views of one
+    storage and a single ``step`` tensor, and ``torch.save`` keeps that sharing. Loaded as
+    it is, an optimizer that steps each parameter on its own (a plain module's, FSDP2's)
+    would advance that one ``step`` once per parameter, and resume with other losses.
+
+    Examples:
+        >>> step = torch.tensor(2.0)
+        >>> state = own_storage({"a": {"step": step}, "b": {"step": step}})
+        >>> state["a"]["step"] is step, state["b"]["step"] is step, float(state["b"]["step"])
+        (True, False, 2.0)
+    """
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage().data_ptr()
+        if storage in seen and value.numel() > 0:
+            return value.clone()
+        seen.add(storage)
+        return value
+    if isinstance(value, dict):
+        return {k: own_storage(v, seen) for k, v in value.items()}
+    if type(value) in (list, tuple):  # not a named tuple: its constructor differs
+        return type(value)(own_storage(v, seen) for v in value)
+    return value
+
+
 def set_full_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -282,6 +352,8 @@ def set_full_state(
         >>> torch.equal(source.weight, target.weight)
         True
     """
+    if optim_state is not None:
+        optim_state = own_storage(optim_state)
     if strategy != "fairscale_fsdp":
         saved_shapes = {k: shape_of(v) for k, v in model_state.items()}
         check_names_and_shapes(expected_model_shapes(model, strategy), saved_shapes)
@@ -298,6 +370,8 @@ def set_full_state(
             optim_state_dict=optim_state if optimizer is not None and optim_state else {},
             options=StateDictOptions(full_state_dict=True),
         )
+        if optimizer is not None and optim_state is not None and not optim_state["state"]:
+            optimizer.state.clear()  # saved before its first step: fresh, as it was then
         return
     if strategy == "fairscale_fsdp":
         model.load_state_dict(model_state)
