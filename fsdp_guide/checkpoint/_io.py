@@ -14,7 +14,7 @@ structure of tensors and plain values into bytes on disk and back, safely.
   file with its size and SHA-256, so a missing, truncated or changed file is found before
   loading. (The hash proves integrity, not origin: whoever writes a file can write a
   matching index. Safety comes from how each file is parsed; see
-  :mod:`fsdp_guide.checkpoint._dcp` for DCP's pickled ``.metadata``.)
+  ``fsdp_guide/checkpoint/_dcp.py`` for DCP's pickled ``.metadata``.)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 PyTorch FSDP1 and FSDP2 take their sharded state from
 :func:`torch.distributed.checkpoint.state_dict.get_state_dict` (``ShardedTensor`` or
 ``DTensor`` values keyed by parameter name) and write it with DCP
-(:mod:`fsdp_guide.checkpoint._dcp`), which records where every piece lies in its whole
+(``fsdp_guide/checkpoint/_dcp.py``), which records where every piece lies in its whole
 tensor. A load reads the pieces this rank's sharding needs, whatever the world size and
 sharding that saved them: FSDP1 and FSDP2 load each other's checkpoints, and a plain module
 or DDP reads whole tensors from one. The load goes into a copy of this rank's state (on its
