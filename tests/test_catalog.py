@@ -97,3 +97,36 @@ def test_estimate_lists_the_catalog_names_per_stage(capsys: pytest.CaptureFixtur
             continue  # variants of a listed mechanism
         line = next(ln for ln in out.splitlines() if ln.startswith(str(spec.zero_stage) + " "))
         assert spec.name in line.split("  ")[2] or f" {spec.name}" in line
+
+
+def test_checkpoint_names_are_the_catalog_engines() -> None:
+    from typing import get_args
+
+    from fsdp_guide.catalog import Engine
+    from fsdp_guide.checkpoint import Strategy
+
+    names = set()
+    for arg in get_args(Strategy):
+        names |= set(get_args(arg)) if get_args(arg) else {arg}
+    assert names == {"module", *get_args(Engine)}
+
+
+def _detected_engines(rank: int, world_size: int, names: list[str]) -> dict[str, str]:
+    from fsdp_guide.catalog import wrap_for_strategy
+    from fsdp_guide.checkpoint import detect_strategy
+    from fsdp_guide.models import build_model
+
+    detected = {}
+    for name in names:
+        model, optimizer = wrap_for_strategy(build_model("mlp"), name, world_size)
+        detected[name] = detect_strategy(model, optimizer)
+    return detected
+
+
+@pytest.mark.slow
+def test_detect_strategy_names_the_engine_of_every_cpu_strategy() -> None:
+    from fsdp_guide import launch
+
+    cpu = [name for name, spec in STRATEGIES.items() if not spec.needs_cuda]
+    detected = launch(_detected_engines, 2, args=(cpu,), backend="gloo", timeout=120)[0]
+    assert detected == {name: STRATEGIES[name].engine for name in cpu}

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from fsdp_guide.catalog._table import Engine
 from fsdp_guide.checkpoint._names import (
     check_names_and_shapes,
     names_in_optimizer_order,
@@ -27,10 +28,12 @@ from fsdp_guide.checkpoint._names import (
     shape_of,
 )
 
-Strategy = Literal[
-    "module", "ddp", "zero", "oss", "sharded_ddp", "fsdp1", "fsdp2", "fairscale_fsdp"
-]
-SHARDED_STRATEGIES: tuple[str, ...] = ("fsdp1", "fsdp2", "fairscale_fsdp")
+#: What :func:`detect_strategy` returns: the *engine* of the catalog's strategies (every FSDP1
+#: sharding strategy is ``"fsdp1"``, ``zero1`` is built on ``"zero"``), or ``"module"`` for an
+#: unwrapped model. A checkpoint depends on the wrapper, not on how it was configured.
+Strategy = Literal["module"] | Engine
+# The engines that shard parameters: their checkpoints can be written shard by shard.
+SHARDED_STRATEGIES: tuple[Engine, ...] = ("fsdp1", "fsdp2", "fairscale_fsdp")
 # What a DCP checkpoint (PyTorch FSDP shards) loads into, at any world size: whatever
 # torch.distributed.checkpoint.state_dict takes a state dict from.
 DCP_TARGETS: tuple[str, ...] = ("fsdp1", "fsdp2", "module", "ddp")
