@@ -61,7 +61,7 @@ keys, before anything is loaded.
 from __future__ import annotations
 
 from fsdp_guide.checkpoint._api import consolidate, load, save
-from fsdp_guide.checkpoint._state import Strategy, detect_strategy
+from fsdp_guide.checkpoint._detect import Strategy, detect_strategy
 from fsdp_guide.errors import CheckpointError
 
 __all__ = ["CheckpointError", "Strategy", "consolidate", "detect_strategy", "load", "save"]

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from fsdp_guide.checkpoint._detect import SHARDED_STRATEGIES, Strategy, detect_strategy
 from fsdp_guide.checkpoint._dir import (
     agree,
     attempt,
@@ -28,9 +29,6 @@ from fsdp_guide.checkpoint._io import (
 from fsdp_guide.checkpoint._names import check_optimizer_fits, inner_optimizer, state_keys
 from fsdp_guide.checkpoint._shards import consolidate_state, load_sharded_state, sharded_writer
 from fsdp_guide.checkpoint._state import (
-    SHARDED_STRATEGIES,
-    Strategy,
-    detect_strategy,
     get_full_state,
     set_full_state,
 )

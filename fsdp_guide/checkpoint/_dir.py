@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fsdp_guide.checkpoint._dcp import METADATA_NAME, describe_failure, read_metadata
+from fsdp_guide.checkpoint._detect import DCP_TARGETS
 from fsdp_guide.checkpoint._io import (
     DATA_DIR,
     FORMAT_VERSION,
@@ -50,7 +51,6 @@ from fsdp_guide.checkpoint._io import (
     sha256_of,
     verify_sha256,
 )
-from fsdp_guide.checkpoint._state import DCP_TARGETS
 from fsdp_guide.errors import CheckpointError
 
 EXTRA_NAME = "extra.pt"

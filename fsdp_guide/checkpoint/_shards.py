@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fsdp_guide.checkpoint import _dcp
+from fsdp_guide.checkpoint._detect import Strategy
 from fsdp_guide.checkpoint._dir import (
     Opened,
     agree,
@@ -36,7 +37,7 @@ from fsdp_guide.checkpoint._dir import (
 )
 from fsdp_guide.checkpoint._io import atomic_write_torch, read_torch
 from fsdp_guide.checkpoint._names import check_names_and_shapes, optimizer_record, shape_of
-from fsdp_guide.checkpoint._state import Strategy, kept_fresh, without_state
+from fsdp_guide.checkpoint._state import kept_fresh, without_state
 from fsdp_guide.errors import CheckpointError
 
 Writer = Callable[[Path], list[str]]
