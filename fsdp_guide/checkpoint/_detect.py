@@ -1,4 +1,4 @@
-"""Which wrapper holds a model (:func:`detect_strategy`), by the catalog's engine names (private)."""
+"""Which wrapper holds a model: :func:`detect_strategy`, in the catalog's engine names (private)."""
 
 from __future__ import annotations
 
