@@ -52,6 +52,9 @@ exclude_patterns = [
 # so it needs neither a GPU nor minutes of CPU.
 nb_execution_mode = "off"
 nb_merge_streams = True
+# Markdown outputs (the measured-vs-ZeRO tables of the lessons) are parsed as MyST, which has
+# tables; myst-nb's default, CommonMark, has none and shows the raw "| a | b |" text.
+nb_render_markdown_format = "myst"
 myst_enable_extensions = ["colon_fence", "deflist", "dollarmath"]
 myst_heading_anchors = 3
 

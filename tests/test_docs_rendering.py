@@ -1,0 +1,99 @@
+"""What a reader sees on the lesson pages: rendered tables, no test plumbing, no stray reprs.
+
+These read the built HTML (the ``site`` fixture of ``test_docs_site`` builds it when stale).
+"""
+
+from __future__ import annotations
+
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from test_docs_site import site  # noqa: F401  (the fixture that builds the site)
+
+REPO = Path(__file__).resolve().parent.parent
+LESSONS = sorted(p.stem for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+# A line of a Markdown pipe table that was shown as text instead of rendered as a table.
+RAW_TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$", re.M)
+# The value of a plotting call left as a cell's last expression: (0.0, 18.84) or a
+# <matplotlib.…> repr, shown between the table and the chart.
+PLOT_REPR = re.compile(r"^\s*(\(-?[\d.e+-]+, -?[\d.e+-]+\)|<matplotlib\.[^>]*>)\s*$", re.M)
+
+
+class _Blocks(HTMLParser):
+    """Text of the elements whose class list contains ``wanted`` (nested ones included)."""
+
+    def __init__(self, wanted: str) -> None:
+        super().__init__()
+        self.wanted = wanted
+        self.depth = 0  # >0 while inside a wanted element
+        self.blocks: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        classes = (dict(attrs).get("class") or "").split()
+        if self.depth:
+            self.depth += 1
+            if tag in ("div", "p", "pre", "tr", "li", "br"):
+                self.blocks[-1] += "\n"  # a new block starts a new line
+        elif self.wanted in classes:
+            self.depth = 1
+            self.blocks.append("")
+
+    def handle_endtag(self, tag: str) -> None:
+        if self.depth:
+            self.depth -= 1
+
+    def handle_data(self, data: str) -> None:
+        if self.depth:
+            self.blocks[-1] += data
+
+
+def blocks(page: Path, wanted: str) -> list[str]:
+    parser = _Blocks(wanted)
+    parser.feed(page.read_text(encoding="utf-8"))
+    return parser.blocks
+
+
+def lesson_page(site_dir: Path, name: str) -> Path:
+    return site_dir / "notebooks" / f"{name}.html"
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_markdown_tables_in_outputs_are_rendered_as_tables(site: Path, name: str) -> None:  # noqa: F811
+    raw = [
+        m.group(0)
+        for b in blocks(lesson_page(site, name), "cell_output")
+        for m in RAW_TABLE_ROW.finditer(b)
+    ]
+    assert not raw, f"{name}: pipe-table text shown raw, e.g. {raw[0]!r}"
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_no_nbval_plumbing_in_rendered_code(site: Path, name: str) -> None:  # noqa: F811
+    code = "\n".join(blocks(lesson_page(site, name), "cell_input"))
+    assert "NBVAL" not in code
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_no_bare_repr_of_a_plotting_call(site: Path, name: str) -> None:  # noqa: F811
+    stray = [
+        m.group(0).strip()
+        for b in blocks(lesson_page(site, name), "cell_output")
+        for m in PLOT_REPR.finditer(b)
+    ]
+    assert not stray, f"{name}: {stray}"
+
+
+def test_the_checks_catch_each_defect(tmp_path: Path) -> None:
+    """The same parsing over a deliberately broken page finds all three defects."""
+    page = tmp_path / "broken.html"
+    page.write_text(
+        '<div class="cell_input"><pre># NBVAL_CHECK_OUTPUT\nprint(1)</pre></div>'
+        '<div class="cell_output"><div><p>| strategy | ZeRO |\n| --- | --- |</p></div>'
+        "<pre>(0.0, 18.84)</pre></div>"
+    )
+    outputs = blocks(page, "cell_output")
+    assert any(RAW_TABLE_ROW.search(b) for b in outputs)
+    assert any(PLOT_REPR.search(b) for b in outputs)
+    assert "NBVAL" in "\n".join(blocks(page, "cell_input"))
