@@ -232,8 +232,8 @@ def consolidate(source: str | os.PathLike[str], target: str | os.PathLike[str]) 
         target: File to write; it then loads at any world size.
 
     Returns:
-        A summary: ``strategy``, ``world_size``, ``tensors`` and ``bytes`` of the model state,
-        and whether an ``optimizer`` state was consolidated (not for FairScale FSDP).
+        A summary with ``strategy``, ``world_size``, ``tensors`` and ``bytes`` of the model
+        state, and whether an ``optimizer`` state was consolidated (not for FairScale FSDP).
 
     Raises:
         CheckpointError: The source is not a complete, intact sharded checkpoint.

@@ -60,6 +60,15 @@ def launch(
     say); a line on stderr says so. A line of output longer than ``2**20`` characters is
     printed in pieces.
 
+    Launch from one thread at a time: forking while other threads of a long-lived process
+    are launching too has crashed children inside ``os.fork`` itself (seen in a test
+    suite, not in this package's code).
+
+    Forked ranks run torch's CPU operators on one thread: GNU OpenMP, which CPU builds of
+    torch use, deadlocks in a forked child that asks for more threads once the parent has
+    used its pool. Spawned ranks share the cores (``cpu_count // world_size`` threads each,
+    unless ``OMP_NUM_THREADS`` is set).
+
     Args:
         fn: The training function. With ``start_method="spawn"`` it must be importable
             (defined at the top level of a module).
@@ -71,17 +80,8 @@ def launch(
         start_method: ``"auto"`` (fork in a notebook or interactive prompt, else spawn),
             ``"fork"`` or ``"spawn"``.
 
-    Launch from one thread at a time: forking while other threads of a long-lived process
-    are launching too has crashed children inside ``os.fork`` itself (seen in a test
-    suite, not in this package's code).
-
-    Forked ranks run torch's CPU operators on one thread: GNU OpenMP, which CPU builds of
-    torch use, deadlocks in a forked child that asks for more threads once the parent has
-    used its pool. Spawned ranks share the cores (``cpu_count // world_size`` threads each,
-    unless ``OMP_NUM_THREADS`` is set).
-
     Returns:
-        The return value of each rank, ordered by rank. Values travel by pickle: return
+        The return value of each rank, ordered by rank. Values travel by pickle, so return
         plain data or CPU tensors.
 
     Raises:

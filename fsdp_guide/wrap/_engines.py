@@ -133,8 +133,8 @@ def shard(
             FairScale).
 
     Returns:
-        The sharded model: a new wrapper for ``"fsdp1"`` and ``"fairscale_fsdp"``, ``module``
-        itself (changed in place) for ``"fsdp2"``.
+        The sharded model, a new wrapper for ``"fsdp1"`` and ``"fairscale_fsdp"`` and
+        ``module`` itself (changed in place) for ``"fsdp2"``.
 
     Raises:
         ValueError: Unknown engine; a policy given for a model that already has units;

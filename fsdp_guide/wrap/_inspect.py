@@ -213,7 +213,7 @@ def describe(
         max_depth: Hide modules nested deeper than this (the root is depth 0).
 
     Returns:
-        One line per module: ``name: Class``, then ``[unit: engine, N params]`` for units and
+        One line per module, ``name: Class``, then ``[unit: engine, N params]`` for units and
         ``[checkpointed]`` for checkpointed modules.
 
     Examples:
