@@ -97,3 +97,29 @@ def test_the_checks_catch_each_defect(tmp_path: Path) -> None:
     assert any(RAW_TABLE_ROW.search(b) for b in outputs)
     assert any(PLOT_REPR.search(b) for b in outputs)
     assert "NBVAL" in "\n".join(blocks(page, "cell_input"))
+
+
+def test_api_index_lists_the_core_modules_first_with_summaries(site: Path) -> None:  # noqa: F811
+    text = (REPO / "docs" / "api" / "index.md").read_text()
+    core = ["launcher", "memory", "wrap", "checkpoint", "strategies"]
+    positions = [text.index(f"{{doc}}`fsdp_guide.{name}`: ") for name in core]
+    assert positions == sorted(positions)
+    assert positions[-1] < text.index("## Supporting modules")
+    for line in text.splitlines():
+        if line.startswith("- {doc}"):
+            assert len(line.split("`: ", 1)[1]) > 10, f"no summary: {line}"
+
+
+@pytest.mark.parametrize(
+    ("page", "first"),
+    [
+        ("fsdp_guide.launcher", "launch"),
+        ("fsdp_guide.memory", "measure_model_state"),
+        ("fsdp_guide.checkpoint", "save"),
+        ("fsdp_guide.wrap", "SizePolicy"),
+    ],
+)
+def test_each_core_page_documents_its_main_name_first(site: Path, page: str, first: str) -> None:  # noqa: F811
+    html_text = (site / "api" / f"{page}.html").read_text(encoding="utf-8")
+    ids = re.findall(rf'<dt class="sig sig-object py" id="{re.escape(page)}\.(\w+)"', html_text)
+    assert ids and ids[0] == first, ids[:4]

@@ -115,8 +115,46 @@ def _data_entry(module: Any, name: str) -> str:
     return f".. py:data:: {name}\n   :module: {module.__name__}\n   :value: {value}\n"
 
 
+_MENTION = re.compile(r":(?:func|class|data|obj|meth|attr):`~?([\w.]+)`")
+
+
+def reading_order(module_name: str, names: list[str]) -> list[str]:
+    """``names`` in the order a reader wants them: the module docstring's own mentions first.
+
+    A façade's docstring introduces its main functions first (``launcher``: ``launch``), so
+    the names it mentions come first, in that order; then functions, classes and data, each
+    in ``__all__`` order.
+    """
+    module = importlib.import_module(module_name)
+    mentioned: list[str] = []
+    for target in _MENTION.findall(module.__doc__ or ""):
+        short = target.rsplit(".", 1)[-1]
+        if short in names and short not in mentioned:
+            mentioned.append(short)
+
+    def kind(name: str) -> int:
+        value = getattr(module, name)
+        return 0 if inspect.isroutine(value) else 1 if inspect.isclass(value) else 2
+
+    rest = sorted((n for n in names if n not in mentioned), key=lambda n: (kind(n), names.index(n)))
+    return mentioned + rest
+
+
+def _member_entry(module: Any, name: str) -> str:
+    value = getattr(module, name)
+    target = f"{module.__name__}.{name}"
+    if inspect.isclass(value):
+        return (
+            f".. autoclass:: {target}\n   :members:\n   :undoc-members:\n"
+            "   :show-inheritance:\n   :member-order: bysource\n"
+        )
+    if inspect.isroutine(value):
+        return f".. autofunction:: {target}\n"
+    return _data_entry(module, name)
+
+
 def module_page(module_name: str, modules: list[str]) -> str:
-    """MyST source of the API page of one module."""
+    """MyST source of the API page of one module: its docstring, then its names in reading order."""
     own: list[str] = []
     reexported: list[tuple[str, str]] = []
     for name in public_names(module_name):
@@ -126,17 +164,8 @@ def module_page(module_name: str, modules: list[str]) -> str:
         else:
             reexported.append((name, origin))
     module = importlib.import_module(module_name)
-    data = [
-        name
-        for name in own
-        if not (inspect.isclass(getattr(module, name)) or inspect.isroutine(getattr(module, name)))
-    ]
-    members = [name for name in own if name not in data]
-    rst = [f".. automodule:: {module_name}"]
-    # An explicit list (never a bare :members:): exactly the public names, in __all__ order.
-    rst.append(f"   :members: {', '.join(members)}" if members else "   :no-members:")
-    rst += ["   :undoc-members:", "   :show-inheritance:", "   :member-order: bysource", ""]
-    rst += [_data_entry(module, name) for name in data]
+    rst = [f".. automodule:: {module_name}", "   :no-members:", ""]
+    rst += [_member_entry(module, name) for name in reading_order(module_name, own)]
     page = f"# `{module_name}`\n\n```{{eval-rst}}\n" + "\n".join(rst) + "```\n"
     if reexported:
         rows = "\n".join(
@@ -150,6 +179,72 @@ def module_page(module_name: str, modules: list[str]) -> str:
     return page
 
 
+# The API index, for a reader: the modules most people import first, then the strategy
+# table and the comparison, then what supports them. A module in none of these lists (a new
+# one) is listed under "Other", so nothing public goes missing.
+API_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "Core",
+        (
+            "fsdp_guide.launcher",
+            "fsdp_guide.memory",
+            "fsdp_guide.wrap",
+            "fsdp_guide.checkpoint",
+            "fsdp_guide.strategies",
+        ),
+    ),
+    (
+        "Strategies, comparison, command line",
+        ("fsdp_guide.catalog", "fsdp_guide.compare", "fsdp_guide.cli"),
+    ),
+    (
+        "Supporting modules",
+        (
+            "fsdp_guide",
+            "fsdp_guide.errors",
+            "fsdp_guide.models",
+            "fsdp_guide.examples",
+            "fsdp_guide.launcher.magic",
+            "fsdp_guide.strategies.sharded",
+            "fsdp_guide.strategies.fully_sharded",
+            "fsdp_guide.strategies.registry",
+        ),
+    ),
+)
+
+
+def summary(module_name: str) -> str:
+    """The first line of a module's docstring."""
+    doc = (importlib.import_module(module_name).__doc__ or "").strip()
+    first = doc.splitlines()[0] if doc else ""
+    # reST roles mean nothing in a Markdown page: show their target as code.
+    return re.sub(r":[\w:]+:`~?([^`]+)`", r"`\1`", first).replace("``", "`")
+
+
+def api_index(modules: list[str]) -> str:
+    """MyST source of the API index: the groups above, each module with its one-line summary."""
+    listed = {name for _, names in API_GROUPS for name in names}
+    groups = [(title, [n for n in names if n in modules]) for title, names in API_GROUPS]
+    groups.append(("Other", [n for n in modules if n not in listed]))
+    body = [
+        "# API reference\n",
+        "Every public name of `fsdp_guide`, one page per module, generated from the",
+        "docstrings. Most code needs only the core modules. A name re-exported elsewhere",
+        "(`from fsdp_guide import launch`) is documented once and linked from there.\n",
+    ]
+    order: list[str] = []
+    for title, names in groups:
+        if not names:
+            continue
+        body.append(f"## {title}\n")
+        body += [f"- {{doc}}`{name}`: {summary(name)}" for name in names]
+        body.append("")
+        order += names
+    toctree = "\n".join(order)
+    body.append(f"```{{toctree}}\n:hidden:\n:maxdepth: 1\n\n{toctree}\n```\n")
+    return "\n".join(body)
+
+
 def generate_api_pages(api_dir: Path, package: str = PACKAGE) -> list[str]:
     """Write one page per public module and an index into ``api_dir``; return the modules."""
     modules = public_modules(package)
@@ -160,15 +255,7 @@ def generate_api_pages(api_dir: Path, package: str = PACKAGE) -> list[str]:
             stale.unlink()
     for name in modules:
         write_if_changed(api_dir / f"{name}.md", module_page(name, modules))
-    toctree = "\n".join(modules)
-    write_if_changed(
-        api_dir / "index.md",
-        "# API reference\n\n"
-        "Every public name of `fsdp_guide`, one page per module, generated from the\n"
-        "docstrings. A name re-exported by the package (`from fsdp_guide import launch`)\n"
-        "is documented where it is defined and linked from the package page.\n\n"
-        f"```{{toctree}}\n:maxdepth: 1\n\n{toctree}\n```\n",
-    )
+    write_if_changed(api_dir / "index.md", api_index(modules))
     return modules
 
 
