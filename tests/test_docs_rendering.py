@@ -5,7 +5,9 @@ These read the built HTML (the ``site`` fixture of ``test_docs_site`` builds it 
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -13,6 +15,10 @@ import pytest
 from test_docs_site import site  # noqa: F401  (the fixture that builds the site)
 
 REPO = Path(__file__).resolve().parent.parent
+# The docs extensions, importable as Sphinx has them (docs/conf.py puts docs/_ext on the path).
+sys.path.insert(0, str(REPO / "docs" / "_ext"))
+from fsdp_links import documented_on, lesson_imports  # noqa: E402
+
 LESSONS = sorted(p.stem for p in (REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # A line of a Markdown pipe table that was shown as text instead of rendered as a table.
 RAW_TABLE_ROW = re.compile(r"^\s*\|.*\|\s*$", re.M)
@@ -123,3 +129,44 @@ def test_each_core_page_documents_its_main_name_first(site: Path, page: str, fir
     html_text = (site / "api" / f"{page}.html").read_text(encoding="utf-8")
     ids = re.findall(rf'<dt class="sig sig-object py" id="{re.escape(page)}\.(\w+)"', html_text)
     assert ids and ids[0] == first, ids[:4]
+
+
+def _links(page: Path) -> set[str]:
+    return set(re.findall(r'href="([^"#]+)', page.read_text(encoding="utf-8")))
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_each_lesson_links_to_the_api_of_what_it_imports(site: Path, name: str) -> None:  # noqa: F811
+    notebook = json.loads((REPO / "notebooks" / f"{name}.ipynb").read_text())
+    links = _links(lesson_page(site, name))
+    for module, imported in lesson_imports(notebook):
+        page = documented_on(module, imported)
+        assert f"../api/{page}.html" in links, f"{name} imports {module}.{imported}, no link"
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        "fsdp_guide.launcher",
+        "fsdp_guide.memory",
+        "fsdp_guide.wrap",
+        "fsdp_guide.checkpoint",
+        "fsdp_guide.strategies",
+    ],
+)
+def test_each_core_api_page_links_back_to_the_lessons_using_it(site: Path, page: str) -> None:  # noqa: F811
+    links = _links(site / "api" / f"{page}.html")
+    users = [
+        name
+        for name in LESSONS
+        if page
+        in {
+            documented_on(m, n)
+            for m, n in lesson_imports(
+                json.loads((REPO / "notebooks" / f"{name}.ipynb").read_text())
+            )
+        }
+    ]
+    assert users, f"no lesson uses {page}?"
+    for name in users:
+        assert f"../notebooks/{name}.html" in links, f"{page} does not link to {name}"

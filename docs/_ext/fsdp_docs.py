@@ -22,13 +22,14 @@ from __future__ import annotations
 import importlib
 import inspect
 import io
+import json
 import pkgutil
 import re
-import shutil
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
+from fsdp_links import lessons_by_page, lessons_section, with_api_section
 from fsdp_refs import public_home
 
 DOCS_DIR = Path(__file__).resolve().parent.parent
@@ -153,7 +154,7 @@ def _member_entry(module: Any, name: str) -> str:
     return _data_entry(module, name)
 
 
-def module_page(module_name: str, modules: list[str]) -> str:
+def module_page(module_name: str, modules: list[str], lessons: list[str] | None = None) -> str:
     """MyST source of the API page of one module: its docstring, then its names in reading order."""
     own: list[str] = []
     reexported: list[tuple[str, str]] = []
@@ -176,7 +177,7 @@ def module_page(module_name: str, modules: list[str]) -> str:
             f"Also importable from `{module_name}`; documented where they are defined.\n\n"
             f"| Name | Documentation |\n| --- | --- |\n{rows}\n"
         )
-    return page
+    return page + lessons_section(lessons or [])
 
 
 # The API index, for a reader: the modules most people import first, then the strategy
@@ -245,16 +246,23 @@ def api_index(modules: list[str]) -> str:
     return "\n".join(body)
 
 
-def generate_api_pages(api_dir: Path, package: str = PACKAGE) -> list[str]:
-    """Write one page per public module and an index into ``api_dir``; return the modules."""
+def generate_api_pages(
+    api_dir: Path, package: str = PACKAGE, notebooks_dir: Path | None = None
+) -> list[str]:
+    """Write one page per public module and an index into ``api_dir``; return the modules.
+
+    With ``notebooks_dir``, each page links to the lessons that import what it documents.
+    """
     modules = public_modules(package)
+    lessons = sorted(notebooks_dir.glob("*.ipynb")) if notebooks_dir is not None else []
+    used_in = lessons_by_page(lessons, {p.stem: _notebook_title(p) for p in lessons})
     wanted = {f"{name}.md" for name in modules} | {"index.md"}
     api_dir.mkdir(parents=True, exist_ok=True)
     for stale in api_dir.glob("*.md"):
         if stale.name not in wanted:
             stale.unlink()
     for name in modules:
-        write_if_changed(api_dir / f"{name}.md", module_page(name, modules))
+        write_if_changed(api_dir / f"{name}.md", module_page(name, modules, used_in.get(name)))
     write_if_changed(api_dir / "index.md", api_index(modules))
     return modules
 
@@ -294,9 +302,9 @@ def sync_notebooks(source_dir: Path, target_dir: Path) -> list[str]:
         if stale.name not in names:
             stale.unlink()
     for path in notebooks:
-        copy = target_dir / path.name
-        if not copy.exists() or copy.read_bytes() != path.read_bytes():
-            shutil.copy2(path, copy)
+        # The copy ends with links to the API it uses (the notebook itself stays as it is).
+        notebook = json.loads(path.read_text(encoding="utf-8"))
+        write_if_changed(target_dir / path.name, json.dumps(with_api_section(notebook), indent=1))
     if names:
         listing = "\n".join(f"1. [{_notebook_title(p)}]({p.stem}.ipynb)" for p in notebooks)
         toctree = "\n".join(p.stem for p in notebooks)
@@ -382,7 +390,7 @@ def generate_result_pages(results_dir: Path, generated_dir: Path, docs_dir: Path
 def generate_all(app: Any = None) -> None:
     """Regenerate every page above (connected to ``builder-inited``)."""
     generated = DOCS_DIR / "_generated"
-    generate_api_pages(DOCS_DIR / "api")
+    generate_api_pages(DOCS_DIR / "api", notebooks_dir=REPO_DIR / "notebooks")
     sync_notebooks(REPO_DIR / "notebooks", DOCS_DIR / "notebooks")
     generate_cli_page(generated / "cli.md")
     generate_result_pages(REPO_DIR / "benchmarks" / "results", generated, DOCS_DIR)
