@@ -5,11 +5,13 @@ These read the built HTML (the ``site`` fixture of ``test_docs_site`` builds it 
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from test_docs_site import site  # noqa: F401  (the fixture that builds the site)
@@ -160,3 +162,54 @@ def test_each_core_api_page_links_back_to_the_lessons_using_it(site: Path, page:
     assert ("Used in the lessons" in (site / "api" / f"{page}.html").read_text()) == bool(users)
     for name in users:
         assert f"../notebooks/{name}.html" in links, f"{page} does not link to {name}"
+
+
+class _Outline(HTMLParser):
+    """Headings of the article in order, each with whether text followed it before the next."""
+
+    CONTENT: ClassVar[set[str]] = {"p", "table", "pre", "ul", "ol", "img", "dl", "figure"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.headings: list[list[str | bool]] = []  # [text, followed_by_content]
+        self.in_heading = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if re.fullmatch(r"h[1-6]", tag):
+            self.headings.append(["", False])
+            self.in_heading = True
+        elif tag in self.CONTENT and self.headings:
+            self.headings[-1][1] = True
+
+    def handle_endtag(self, tag: str) -> None:
+        if re.fullmatch(r"h[1-6]", tag):
+            self.in_heading = False
+
+    def handle_data(self, data: str) -> None:
+        if self.in_heading:
+            self.headings[-1][0] = str(self.headings[-1][0]) + data
+
+
+def stacked_headings(page: Path) -> list[tuple[str, str]]:
+    """Pairs of headings with nothing between them: a section that repeats its own title."""
+    outline = _Outline()
+    text = page.read_text(encoding="utf-8")
+    start = text.find("<article")  # the page's own content, not the sidebars
+    outline.feed(text[start : text.find("</article>", start)] if start >= 0 else text)
+    heads = outline.headings
+    return [
+        (str(a[0]).strip(" #¶"), str(b[0]).strip(" #¶"))
+        for a, b in itertools.pairwise(heads)
+        if not a[1]
+    ]
+
+
+@pytest.mark.parametrize("page", ["guide/choosing.html", "benchmarks.html"])
+def test_measured_sections_do_not_repeat_their_title(site: Path, page: str) -> None:  # noqa: F811
+    assert stacked_headings(site / page) == []
+
+
+def test_stacked_headings_are_found(tmp_path: Path) -> None:
+    page = tmp_path / "p.html"
+    page.write_text("<h2>Measured: memory</h2><h3>Model state per rank</h3><p>table</p>")
+    assert stacked_headings(page) == [("Measured: memory", "Model state per rank")]

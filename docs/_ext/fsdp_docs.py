@@ -345,6 +345,19 @@ def generate_cli_page(target: Path) -> None:
     write_if_changed(target, render_cli_help(build_parser()))
 
 
+def _split_title(text: str) -> tuple[str, str]:
+    """The ``# title`` line of a result, and the text without it.
+
+    Examples:
+        >>> _split_title("# Launch overhead\\n\\n| a |\\n")
+        ('Launch overhead', '\\n| a |\\n')
+    """
+    first, _, rest = text.partition("\n")
+    if first.startswith("# "):
+        return first[2:].strip(), rest
+    return "", text
+
+
 def generate_result_pages(results_dir: Path, generated_dir: Path, docs_dir: Path) -> list[str]:
     """Mirror benchmark results into ``generated_dir/results`` and gather them in one page.
 
@@ -363,9 +376,13 @@ def generate_result_pages(results_dir: Path, generated_dir: Path, docs_dir: Path
     for stale in out.glob("*.md"):
         if stale.stem not in wanted:
             stale.unlink()
+    titles: dict[str, str] = {}
     for name in sorted(wanted):
         if name in committed:
-            text = (results_dir / f"{name}.md").read_text(encoding="utf-8")
+            # The page that includes a result gives it a heading of its own: drop the result's
+            # title, or the reader sees the same heading twice.
+            title, text = _split_title((results_dir / f"{name}.md").read_text(encoding="utf-8"))
+            titles[name] = title or f"`{name}`"
         else:
             text = (
                 "```{note}\n"
@@ -376,9 +393,9 @@ def generate_result_pages(results_dir: Path, generated_dir: Path, docs_dir: Path
         write_if_changed(out / f"{name}.md", text)
     if committed:
         body = "\n".join(
-            f"## `{name}`\n\nWritten by `benchmarks/{name}.py` to "
+            f"## {titles[name]}\n\nWritten by `benchmarks/{name}.py` to "
             f"`benchmarks/results/{name}.md`.\n\n"
-            f"```{{include}} /_generated/results/{name}.md\n:heading-offset: 2\n```\n"
+            f"```{{include}} /_generated/results/{name}.md\n:heading-offset: 1\n```\n"
             for name in committed
         )
     else:
