@@ -5,6 +5,7 @@ These read the built HTML (the ``site`` fixture of ``test_docs_site`` builds it 
 
 from __future__ import annotations
 
+import html
 import itertools
 import json
 import re
@@ -213,3 +214,11 @@ def test_stacked_headings_are_found(tmp_path: Path) -> None:
     page = tmp_path / "p.html"
     page.write_text("<h2>Measured: memory</h2><h3>Model state per rank</h3><p>table</p>")
     assert stacked_headings(page) == [("Measured: memory", "Model state per rank")]
+
+
+def test_cli_page_shows_real_output_of_estimate(site: Path) -> None:  # noqa: F811
+    from fsdp_guide.cli._estimate import estimate_table
+
+    text = html.unescape(re.sub(r"<[^>]+>", "", (site / "cli.html").read_text(encoding="utf-8")))
+    assert "$ python -m fsdp_guide estimate --params 7e9 --world-size 8 --gpu-memory 80GB" in text
+    assert estimate_table(7e9, 8, gpu_memory=80 * 10**9).splitlines()[0] in text

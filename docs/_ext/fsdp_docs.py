@@ -338,11 +338,36 @@ def render_cli_help(parser: Any) -> str:
     return "\n".join(parts)
 
 
+# What readers see run on the CLI page: commands cheap enough to run at every build.
+CLI_EXAMPLES: tuple[tuple[str, ...], ...] = (
+    ("estimate", "--params", "7e9", "--world-size", "8", "--gpu-memory", "80GB"),
+    ("estimate", "--params", "70B", "--world-size", "64", "--precision", "mixed"),
+)
+
+
+def render_cli_examples() -> str:
+    """Markdown with the real output of each command of :data:`CLI_EXAMPLES`."""
+    from fsdp_guide.cli import main
+
+    parts = []
+    for argv in CLI_EXAMPLES:
+        buffer = io.StringIO()
+        with redirect_stdout(buffer):
+            status = main(list(argv))
+        if status != 0:
+            raise RuntimeError(f"python -m fsdp_guide {' '.join(argv)} exited with {status}")
+        command = "python -m fsdp_guide " + " ".join(argv)
+        parts.append(f"```console\n$ {command}\n{buffer.getvalue().rstrip()}\n```\n")
+    return "\n".join(parts)
+
+
 def generate_cli_page(target: Path) -> None:
-    """Write the rendered help of every command of ``python -m fsdp_guide`` to ``target``."""
+    """Write the rendered help of every command of ``python -m fsdp_guide`` to ``target``,
+    and the output of the examples beside it (``cli_examples.md``)."""
     from fsdp_guide.cli import build_parser
 
     write_if_changed(target, render_cli_help(build_parser()))
+    write_if_changed(target.with_name("cli_examples.md"), render_cli_examples())
 
 
 def _split_title(text: str) -> tuple[str, str]:
