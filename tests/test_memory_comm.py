@@ -66,9 +66,11 @@ def test_prediction_table_and_conventions() -> None:
 
 
 def test_counting_without_process_group_is_empty_and_stats_wait_for_the_end() -> None:
-    with count_collectives() as counter:
-        with pytest.raises(RuntimeError, match="after the `with count_collectives"):
-            _ = counter.stats
+    with (
+        count_collectives() as counter,
+        pytest.raises(RuntimeError, match="after the `with count_collectives"),
+    ):
+        _ = counter.stats
     assert counter.stats == CommStats()
 
 

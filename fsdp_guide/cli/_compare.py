@@ -3,7 +3,8 @@
 For every strategy and rank it prints the bytes of model state measured after the last
 ``optimizer.step()``, the ZeRO prediction for the same setting, their ratio, the payload
 bytes of the collectives the rank issued in the last step next to
-:func:`~fsdp_guide.memory.predict_communication`, and the time per step. This is the project's main job.
+:func:`~fsdp_guide.memory.predict_communication`, and the time per step.
+This is the project's main job.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ from fsdp_guide.memory._comm_zero import CommPrediction, predict_communication, 
 from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
 from fsdp_guide.memory._report import (
     ComparisonRow,
+    communication_table,
     comparison_table,
     plot_comparison,
     rows_as_json,
@@ -76,6 +77,7 @@ __all__ = [
     "ModelState",
     "PeakMemory",
     "bytes_per_param",
+    "communication_table",
     "comparison_table",
     "count_collectives",
     "estimate_model_state",

@@ -202,11 +202,11 @@ def _process_group(args: Any) -> Any:
     return None
 
 
-class _Mode(TorchDispatchMode):
+class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records each c10d op: its kind, payload and process group; runs it unchanged."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.counts: dict[str, list[Any]] = {}
         self.per_group: dict[int, int] = {}
 
@@ -237,7 +237,7 @@ def _sequence_numbers() -> dict[Any, int | None]:
     numbers: dict[Any, int | None] = {}
     for group in list(_world.pg_map):
         try:
-            numbers[group] = int(group._get_sequence_number_for_group())
+            numbers[group] = int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]
         except (RuntimeError, AttributeError):  # a backend without sequence numbers
             numbers[group] = None
     return numbers
@@ -311,7 +311,7 @@ def count_collectives() -> Iterator[CommCounter]:
         )
     if unreadable:
         reasons.append("a process group has no sequence number, so other threads are unchecked")
-    kinds = {
+    kinds: dict[str, CollectiveCount] = {
         kind: CollectiveCount(c[0], c[1], c[2], tuple(sorted(c[3])))
         for kind in COLLECTIVE_KINDS
         if (c := mode.counts.get(kind)) is not None

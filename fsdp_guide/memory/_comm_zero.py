@@ -232,12 +232,12 @@ def root_unit_params(module: nn.Module) -> int:
     if isinstance(module, FullyShardedDataParallel):
         handle: Any = module._handle
         return int(sum(handle.flat_param._numels)) if handle is not None else 0
-    if isinstance(module, FSDPModule):
+    if isinstance(module, FSDPModule) and isinstance(module, nn.Module):
         nested = {
             id(p)
             for name, sub in module.named_modules()
             if name and isinstance(sub, FSDPModule)
-            for p in sub.parameters()
+            for p in module.get_submodule(name).parameters()
         }
         return sum(p.numel() for p in module.parameters() if id(p) not in nested)
     return 0

@@ -118,7 +118,8 @@ def _ddp_bucket_bytes(module: nn.Module) -> int:
     total = 0
     for sub in module.modules():
         if isinstance(sub, DistributedDataParallel) and not sub.gradient_as_bucket_view:
-            sizes = str(sub._get_ddp_logging_data().get("bucket_sizes", ""))
+            data = sub._get_ddp_logging_data()  # type: ignore[no-untyped-call]
+            sizes = str(data.get("bucket_sizes", ""))
             total += sum(int(size) for size in sizes.split(",") if size.strip())
     return total
 

@@ -135,6 +135,56 @@ def comparison_table(
     return "\n".join(line.rstrip() for line in text_lines)
 
 
+_SHORT_KINDS = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG"}
+
+
+def communication_table(rows: Sequence[ComparisonRow]) -> str:
+    """A markdown table of one step's communication per strategy: measured, predicted, paper.
+
+    One line per strategy (rank 0's row; every rank issues the same payload). Payload per
+    kind is shown as a multiple of ``Ψ`` (AR all-reduce, RS reduce-scatter, AG all-gather);
+    then the measured and predicted payload bytes, the same in the ZeRO paper's convention
+    (an all-reduce counts twice), the paper's figure for the stage, and what a ring sends.
+
+    Examples:
+        >>> from fsdp_guide.memory._comm import CollectiveCount
+        >>> from fsdp_guide.memory._comm_zero import predict_communication
+        >>> stats = CommStats({"all_reduce": CollectiveCount(1, 100, 400)})
+        >>> state = ModelState(4, 4, 8)
+        >>> row = ComparisonRow(
+        ...     "ddp", 0, 2, 0, state, state, None, 0.0, 0, "cpu_peak_rss", stats,
+        ...     predict_communication("ddp", 100, 2),
+        ... )
+        >>> print(communication_table([row]).splitlines()[-1])
+        | ddp | AR 1.000 | 400 B | 400 B | 2.00 Ψ | 2 Ψ | 1.00 Ψ | yes |
+    """
+    header = ["strategy", "payload per kind (÷Ψ)", "measured", "predicted"]
+    header += ["paper convention", "paper", "ring wire", "complete"]
+    lines = [header, ["---"] * len(header)]
+    for row in rows:
+        measured, predicted = row.comm_measured, row.comm_predicted
+        if measured is None or predicted is None or row.rank != 0:
+            continue
+        psi = predicted.num_params or 1
+        kinds = " + ".join(
+            f"{_SHORT_KINDS.get(k, k)} {n / psi:.3f}"
+            for k, n in measured.elements_by_kind().items()
+        )
+        lines.append(
+            [
+                row.strategy,
+                kinds or "none",
+                format_bytes(measured.bytes),
+                format_bytes(predicted.payload_bytes),
+                f"{predicted.convention_elements / psi:.2f} Ψ",
+                f"{predicted.paper_elements / psi:.0f} Ψ",
+                f"{predicted.wire_elements() / psi:.2f} Ψ",
+                "yes" if measured.complete else f"no: {measured.reason}",
+            ]
+        )
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
 def _comm_cells(row: ComparisonRow) -> list[str]:
     measured, predicted = row.comm_measured, row.comm_predicted
     cells = ["-", "-"]
