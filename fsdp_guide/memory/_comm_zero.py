@@ -62,12 +62,12 @@ class CommPrediction:
 
     @property
     def payload_elements(self) -> int:
-        """Payload elements, all kinds."""
+        """The payload elements of every kind together."""
         return sum(self.payload.values())
 
     @property
     def payload_bytes(self) -> int:
-        """Payload bytes, all kinds: what :func:`count_collectives` measures."""
+        """The payload bytes of every kind together, what ``count_collectives`` measures."""
         return self.payload_elements * self.element_size
 
     @property
@@ -77,7 +77,7 @@ class CommPrediction:
 
     @property
     def convention_elements(self) -> int:
-        """The payload in the paper's convention: an all-reduce counts twice.
+        """The payload in the paper's convention, where an all-reduce counts twice.
 
         Examples:
             >>> oss = predict_communication("oss", 1000, 2)
@@ -128,16 +128,16 @@ def predict_communication(
 
     What each strategy issues per step (``Ψ`` parameters, ``N`` ranks, shard groups of ``S``):
 
-    ==================================== ============================================ =======
-    strategy                             payload per kind                             paper
-    ==================================== ============================================ =======
-    ``ddp``, ``fsdp_no_shard``, zero0    all-reduce Ψ                                 2Ψ
-    ``zero1``, ``oss``                   all-reduce Ψ, broadcast Ψ                    2Ψ
-    ``sharded_ddp(_buckets)``            reduce Ψ, broadcast Ψ                        2Ψ
-    ``fsdp_grad_op``, zero1, zero2       reduce-scatter Ψ, all-gather Ψ               2Ψ
-    ``fsdp``, ``fsdp2``, FairScale, zero3 reduce-scatter Ψ, all-gather 2Ψ - R         3Ψ
-    ``fsdp_hybrid``                      as ``fsdp`` in groups of S, all-reduce Ψ/S   3Ψ
-    ==================================== ============================================ =======
+    ======================================= ============================================ =====
+    strategy                                payload per kind                             paper
+    ======================================= ============================================ =====
+    ``ddp``, ``fsdp_no_shard``, zero0       all-reduce Ψ                                 2Ψ
+    ``zero1``, ``oss``                      all-reduce Ψ, broadcast Ψ                    2Ψ
+    ``sharded_ddp(_buckets)``               reduce Ψ, broadcast Ψ                        2Ψ
+    ``fsdp_grad_op``, zero2                 reduce-scatter Ψ, all-gather Ψ               2Ψ
+    ``fsdp``, ``fsdp2``, FairScale, zero3   reduce-scatter Ψ, all-gather 2Ψ - R          3Ψ
+    ``fsdp_hybrid``                         as ``fsdp`` in groups of S, all-reduce Ψ/S   3Ψ
+    ======================================= ============================================ =====
 
     ``R`` is the root unit's parameters: FSDP keeps the root unit unsharded from forward to
     backward, so only the other units are gathered twice (``R = Ψ`` when the whole model is
