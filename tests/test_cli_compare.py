@@ -32,8 +32,8 @@ def test_compare_prints_table_and_writes_json_and_plot(
         ("fsdp", "0"),
         ("fsdp", "1"),
     ]
-    # Byte cells are two tokens ("3.45 MB"): the ratio is token 11, then comm/step, comm pred.
-    assert {cells[11] for cells in table} == {"1.000"}  # the ratio column
+    # Byte cells are two tokens ("3.45 MB"): the ratio is token 13, then comm/step, comm pred.
+    assert {cells[13] for cells in table} == {"1.000"}  # the ratio column
     assert "comm/step  comm pred" in captured.out
 
     rows = json.loads(json_path.read_text())
