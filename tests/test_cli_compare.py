@@ -32,7 +32,9 @@ def test_compare_prints_table_and_writes_json_and_plot(
         ("fsdp", "0"),
         ("fsdp", "1"),
     ]
-    assert {cells[-2] for cells in table} == {"1.000"}  # the ratio column
+    # Byte cells are two tokens ("3.45 MB"): the ratio is token 13, then comm/step, comm pred.
+    assert {cells[13] for cells in table} == {"1.000"}  # the ratio column
+    assert "comm/step  comm pred" in captured.out
 
     rows = json.loads(json_path.read_text())
     assert [(r["strategy"], r["rank"]) for r in rows] == [
@@ -47,6 +49,7 @@ def test_compare_prints_table_and_writes_json_and_plot(
         "params": 4 * n,
         "grads": 4 * n,
         "optimizer": 8 * n,
+        "buckets": 0,
         "total": 16 * n,
     }
     assert fsdp["predicted"]["total"] == 8 * n  # 16 bytes per parameter over 2 ranks
@@ -57,6 +60,13 @@ def test_compare_prints_table_and_writes_json_and_plot(
         assert row["step_time_s"] > 0
     assert rows[0]["loss"] == pytest.approx(rows[2]["loss"], rel=1e-5)
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The per-collective breakdown of the last step (step 2 includes DDP's bucket rebuild,
+    # a few int32 broadcasts, hence only the float32 all-reduce is compared here).
+    assert ddp["comm"]["measured"]["kinds"]["all_reduce"]["elements"] == n
+    assert ddp["comm"]["predicted"]["payload"] == {"all_reduce": n}
+    assert ddp["comm"]["predicted"]["paper_elements"] == 2 * n
+    assert fsdp["comm"]["measured"]["kinds"]["reduce_scatter"]["bytes"] == 4 * n
+    assert fsdp["comm"]["measured"]["complete"] is True
 
 
 @pytest.mark.timeout(300)

@@ -1,8 +1,10 @@
 """``python -m fsdp_guide compare``: train the demo model under each strategy, measure memory.
 
 For every strategy and rank it prints the bytes of model state measured after the last
-``optimizer.step()``, the ZeRO prediction for the same setting, their ratio and the time
-per step. This is the project's main job.
+``optimizer.step()``, the ZeRO prediction for the same setting, their ratio, the payload
+bytes of the collectives the rank issued in the last step next to
+:func:`~fsdp_guide.memory.predict_communication`, and the time per step.
+This is the project's main job.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def add_parser(sub: Any) -> None:
         help="train under each sharding strategy; per-rank memory measured vs ZeRO",
         description="Train the demo model for a few steps under each strategy (gloo on CPU) "
         "and print, per strategy and rank, the model-state bytes measured after "
-        "optimizer.step(), the ZeRO prediction, their ratio and the time per step.",
+        "optimizer.step(), the ZeRO prediction, their ratio, the bytes of collectives issued "
+        "in the last step next to their prediction, and the time per step.",
     )
     p.add_argument(
         "--world-size", type=int_at_least(1), default=2, help="ranks per run (default 2)"
@@ -41,6 +44,12 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="comma-separated names (default: ddp,oss,sharded_ddp,fsdp,fsdp2, plus "
         "fairscale_fsdp with a GPU per rank); all: " + ", ".join(_strategy_names()),
+    )
+    p.add_argument(
+        "--no-comm",
+        dest="comm",
+        action="store_false",
+        help="do not count the collectives of the last step (the comm/step column)",
     )
     p.add_argument("--plot", default=None, metavar="PATH", help="write a bar chart (PNG)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
@@ -98,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
             if path:
                 _check_output_path(option, path)
         # run_comparison checks everything else before it starts a process.
-        rows = run_comparison(names, world_size, args.model, steps, batch_size)
+        rows = run_comparison(names, world_size, args.model, steps, batch_size, comm=args.comm)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
     except LaunchError as exc:
@@ -108,6 +117,15 @@ def _run(args: argparse.Namespace) -> int:
     print(f"Model state per rank after optimizer.step(), {args.model}, fp32 Adam, ", end="")
     print(f"{world_size} rank(s); predicted = ZeRO formula for the state held at that point:")
     print(comparison_table(rows, style="plain"))
+    if args.comm:
+        print(
+            "comm/step: payload bytes of the collectives the rank issued in the last step "
+            "(the tensor all-reduced, the full tensor gathered or reduce-scattered; * = "
+            "collectives from other threads missed); comm pred: predict_communication. The "
+            "ZeRO paper counts an all-reduce twice (2x payload); --json has both, per kind."
+        )
+        if steps < 3:
+            print("note: with fewer than 3 steps, DDP's bucket rebuild (step 2) is counted too")
     print()
     for name in dict.fromkeys(row.strategy for row in rows):
         mine = [row for row in rows if row.strategy == name]

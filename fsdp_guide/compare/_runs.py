@@ -11,6 +11,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,7 +20,15 @@ import torch
 from fsdp_guide.catalog import STRATEGIES, check_strategies, wrap_for_strategy
 from fsdp_guide.launcher._checks import check_world_size
 from fsdp_guide.launcher._launch import launch
-from fsdp_guide.memory import PeakMemory, measure_model_state, peak_memory
+from fsdp_guide.memory import (
+    CommStats,
+    PeakMemory,
+    count_collectives,
+    measure_model_state,
+    peak_memory,
+    predict_communication,
+    root_unit_params,
+)
 from fsdp_guide.memory._report import ComparisonRow
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.models import (
@@ -46,6 +55,10 @@ class RankMeasurement:
             there are several: it allocates the optimizer state).
         loss: Loss of the last step on this rank's slice of the batch.
         peak: Peak memory of the rank (CUDA peak allocated, or process peak RSS on CPU).
+        comm: Collectives this rank issued in the last step (forward, backward and
+            ``optimizer.step()``); ``None`` when not counted.
+        root_unit_params: Parameters of the root unit of a fully sharded model (gathered
+            once per step, not twice), ``0`` for the others.
     """
 
     strategy: str
@@ -55,6 +68,8 @@ class RankMeasurement:
     step_time_s: float
     loss: float
     peak: PeakMemory
+    comm: CommStats | None = None
+    root_unit_params: int = 0
 
 
 def train_and_measure(
@@ -64,6 +79,7 @@ def train_and_measure(
     model_name: ModelName = "transformer",
     steps: int = 3,
     batch_size: int = 8,
+    count_comm: bool = True,
 ) -> RankMeasurement:
     """Train the demo model for ``steps`` steps under ``strategy``; measure this rank.
 
@@ -79,6 +95,8 @@ def train_and_measure(
         model_name: ``"transformer"`` or ``"mlp"``.
         steps: Training steps (at least 1).
         batch_size: Global batch size; must divide by ``world_size``.
+        count_comm: Count the collectives of the last step
+            (:func:`~fsdp_guide.memory.count_collectives`).
 
     Returns:
         This rank's :class:`RankMeasurement`.
@@ -92,6 +110,8 @@ def train_and_measure(
         ... )
         >>> result.state.total == 16 * 142_088 + 8 * 4
         True
+        >>> result.comm.kinds["all_reduce"].elements  # one rank all-reduces too
+        142088
     """
     torch.manual_seed(0)
     model = build_model(model_name)
@@ -102,16 +122,22 @@ def train_and_measure(
         module, optimizer = wrap_for_strategy(model, strategy, world_size)
         device = next(module.parameters()).device
         times = []
+        comm = None
         for step in range(steps):
             batch = shard_batch(synthetic_batch(model_name, batch_size, step), rank, world_size)
             x, y = (t.to(device) for t in batch)
-            start = time.perf_counter()
-            loss = loss_fn(module, (x, y))
-            loss.backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
+            # The last step only: construction and the first step's lazy setup are not
+            # what a step costs.
+            with count_collectives() if count_comm and step == steps - 1 else nullcontext() as c:
+                start = time.perf_counter()
+                loss = loss_fn(module, (x, y))
+                loss.backward()  # type: ignore[no-untyped-call]
+                optimizer.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+            if c is not None:
+                comm = c.stats
             if step == steps - 1:
                 state = measure_model_state(module, optimizer)
             # Through the module: ShardedDDP's own zero_grad clears its gradient buckets in
@@ -126,6 +152,8 @@ def train_and_measure(
         step_time_s=sum(timed) / len(timed),
         loss=loss.item(),
         peak=peak_memory(device if device.type == "cuda" else "cpu"),
+        comm=comm,
+        root_unit_params=root_unit_params(module),
     )
 
 
@@ -141,6 +169,7 @@ def run_comparison(
     batch_size: int = 8,
     progress: Callable[[str], None] | None = _print_progress,
     timeout: float = 300.0,
+    comm: bool = True,
 ) -> list[ComparisonRow]:
     """Launch :func:`train_and_measure` for each strategy; pair measurements with predictions.
 
@@ -152,6 +181,8 @@ def run_comparison(
         batch_size: Global batch size; must divide by ``world_size``.
         progress: Called with one line before and after each run (``None``: silent).
         timeout: Seconds each run may take.
+        comm: Count each rank's collectives in the last step and set them next to
+            :func:`~fsdp_guide.memory.predict_communication`.
 
     Returns:
         One :class:`~fsdp_guide.memory.ComparisonRow` per strategy and rank.
@@ -195,7 +226,7 @@ def run_comparison(
         results: list[RankMeasurement] = launch(
             train_and_measure,
             world_size,
-            args=(spec.name, model_name, steps, batch_size),
+            args=(spec.name, model_name, steps, batch_size, comm),
             backend="nccl" if spec.needs_cuda else "gloo",
             timeout=timeout,
             start_method=method,
@@ -213,6 +244,15 @@ def run_comparison(
                     loss=result.loss,
                     peak_bytes=result.peak.bytes,
                     peak_kind=result.peak.kind,
+                    comm_measured=result.comm,
+                    comm_predicted=predict_communication(
+                        spec.name,
+                        result.num_params,
+                        world_size,
+                        root_unit_params=result.root_unit_params,
+                    )
+                    if comm
+                    else None,
                 )
             )
         if progress:

@@ -1,4 +1,9 @@
-"""Memory per rank, measured and predicted.
+"""Memory and communication per rank, measured and predicted.
+
+**Communication.** :func:`count_collectives` counts the collectives a rank issues (calls,
+elements and bytes per kind, and whether the count is complete);
+:func:`predict_communication` gives the ZeRO paper's volume per step and the payload each
+strategy issues, in the same units, so they compare like memory does.
 
 :func:`measure_model_state` counts the bytes of parameters, gradients and optimizer state
 that a rank holds; :func:`estimate_model_state` gives what the ZeRO formulas predict for
@@ -25,16 +30,28 @@ Each storage is counted once, whole: tensors that are views of one flat buffer (
 parameter buckets, DDP's gradient buckets, FSDP's flat parameters and their padding) add
 that buffer's size once. FSDP's private buffers hanging off a flat parameter (the
 unsharded ``_full_param_padded``, mixed-precision shards, ...) are counted when they are
-allocated. Buffers that are not model state (DDP's communication buckets when gradients
-are not bucket views, activations, module buffers) are not counted.
+allocated. DDP's gradient buckets, when the gradients are not views of them
+(``gradient_as_bucket_view=False``), are a second full copy of the gradients: they are
+reported apart, as ``ModelState.buckets``, and are in its total. Activations and module
+buffers are not counted.
 """
 
 from __future__ import annotations
 
 from fsdp_guide.catalog import resolve_stage
+from fsdp_guide.memory._comm import (
+    COLLECTIVE_KINDS,
+    CollectiveCount,
+    CollectiveKind,
+    CommCounter,
+    CommStats,
+    count_collectives,
+)
+from fsdp_guide.memory._comm_zero import CommPrediction, predict_communication, root_unit_params
 from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
 from fsdp_guide.memory._report import (
     ComparisonRow,
+    communication_table,
     comparison_table,
     plot_comparison,
     rows_as_json,
@@ -49,18 +66,28 @@ from fsdp_guide.memory._zero import (
 )
 
 __all__ = [
+    "COLLECTIVE_KINDS",
     "BytesPerParam",
+    "CollectiveCount",
+    "CollectiveKind",
+    "CommCounter",
+    "CommPrediction",
+    "CommStats",
     "ComparisonRow",
     "ModelState",
     "PeakMemory",
     "bytes_per_param",
+    "communication_table",
     "comparison_table",
+    "count_collectives",
     "estimate_model_state",
     "format_bytes",
     "measure_model_state",
     "parse_size",
     "peak_memory",
     "plot_comparison",
+    "predict_communication",
     "resolve_stage",
+    "root_unit_params",
     "rows_as_json",
 ]

@@ -79,6 +79,10 @@ def measure_model_state(
         ModelState(params=440, grads=440, optimizer=888, total=1768)
         >>> measure_model_state(model)
         ModelState(params=440, grads=440, optimizer=0, total=880)
+
+        Under DDP without ``gradient_as_bucket_view``, its gradient buckets are a second copy
+        of the gradients, reported as ``buckets`` (see
+        :class:`~fsdp_guide.memory.ModelState`).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -93,7 +97,31 @@ def measure_model_state(
     param_bytes = counter.add([*params, *param_buffers])
     grad_bytes = counter.add([*(p.grad for p in params), *grad_buffers])
     optimizer_bytes = counter.add(_optimizer_state_tensors(optimizer)) if optimizer else 0
-    return ModelState(params=param_bytes, grads=grad_bytes, optimizer=optimizer_bytes)
+    return ModelState(
+        params=param_bytes,
+        grads=grad_bytes,
+        optimizer=optimizer_bytes,
+        buckets=_ddp_bucket_bytes(module),
+    )
+
+
+def _ddp_bucket_bytes(module: nn.Module) -> int:
+    """Bytes of DDP's gradient buckets that are not also the gradients.
+
+    With ``gradient_as_bucket_view=True`` the gradients are views of the buckets and are
+    counted as gradients; without it the reducer keeps its buckets beside them, a second
+    full-size copy. The reducer does not expose its buckets to Python; its logging data
+    gives their sizes in bytes (``"bucket_sizes"``, comma-separated).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    total = 0
+    for sub in module.modules():
+        if isinstance(sub, DistributedDataParallel) and not sub.gradient_as_bucket_view:
+            data = sub._get_ddp_logging_data()  # type: ignore[no-untyped-call]
+            sizes = str(data.get("bucket_sizes", ""))
+            total += sum(int(size) for size in sizes.split(",") if size.strip())
+    return total
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from fsdp_guide.memory._comm import CommStats
+from fsdp_guide.memory._comm_zero import CommPrediction
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._zero import format_bytes
 
@@ -30,6 +32,10 @@ class ComparisonRow:
         loss: Loss of the last step on this rank.
         peak_bytes: Peak memory reading of the rank.
         peak_kind: What ``peak_bytes`` is: ``"cuda_peak_allocated"`` or ``"cpu_peak_rss"``.
+        comm_measured: Collectives the rank issued in one training step; ``None`` when not
+            counted.
+        comm_predicted: The payload the strategy issues per step
+            (:func:`~fsdp_guide.memory.predict_communication`); ``None`` when not counted.
     """
 
     strategy: str
@@ -42,6 +48,8 @@ class ComparisonRow:
     loss: float = float("nan")
     peak_bytes: int = 0
     peak_kind: str = "cpu_peak_rss"
+    comm_measured: CommStats | None = None
+    comm_predicted: CommPrediction | None = None
 
     @property
     def ratio(self) -> float:
@@ -61,7 +69,9 @@ def comparison_table(
     """A table with one line per strategy and rank: measured bytes, predicted, ratio, time.
 
     The ``ms/step`` column is shown only when at least one row was timed (a row without a
-    time shows ``-`` in it).
+    time shows ``-`` in it). ``comm/step`` (payload bytes the rank issued in one step,
+    marked ``*`` when the count is incomplete) and ``comm pred`` (the prediction) are shown
+    when at least one row counted its collectives.
 
     Args:
         rows: The rows to show.
@@ -92,6 +102,9 @@ def comparison_table(
     header = ["strategy", "ZeRO", "rank", "params", "grads", "optimizer", "measured"]
     header += ["predicted", "ratio"]
     timed = any(row.step_time_s is not None for row in rows)
+    comm = any(row.comm_measured is not None for row in rows)
+    if comm:
+        header += ["comm/step", "comm pred"]
     if timed:
         header.append("ms/step")
     body = [
@@ -106,6 +119,7 @@ def comparison_table(
             format_bytes(row.predicted.total),
             f"{row.ratio:.3f}",
         ]
+        + (_comm_cells(row) if comm else [])
         + ([_milliseconds(row.step_time_s)] if timed else [])
         for row in rows
     ]
@@ -121,6 +135,83 @@ def comparison_table(
     return "\n".join(line.rstrip() for line in text_lines)
 
 
+_SHORT_KINDS = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG"}
+
+
+def communication_table(rows: Sequence[ComparisonRow]) -> str:
+    """A markdown table of one step's communication per strategy: measured, predicted, paper.
+
+    One line per strategy (rank 0's row; every rank issues the same payload). Payload per
+    kind is shown as a multiple of ``Ψ`` (AR all-reduce, RS reduce-scatter, AG all-gather);
+    then the measured and predicted payload bytes, the same in the ZeRO paper's convention
+    (an all-reduce counts twice), the paper's figure for the stage, and what a ring sends.
+
+    Examples:
+        >>> from fsdp_guide.memory._comm import CollectiveCount
+        >>> from fsdp_guide.memory._comm_zero import predict_communication
+        >>> stats = CommStats({"all_reduce": CollectiveCount(1, 100, 400)})
+        >>> state = ModelState(4, 4, 8)
+        >>> row = ComparisonRow(
+        ...     "ddp", 0, 2, 0, state, state, None, 0.0, 0, "cpu_peak_rss", stats,
+        ...     predict_communication("ddp", 100, 2),
+        ... )
+        >>> print(communication_table([row]).splitlines()[-1])
+        | ddp | AR 1.000 | 400 B | 400 B | 2.00 Ψ | 2 Ψ | 1.00 Ψ | yes |
+    """
+    header = ["strategy", "payload per kind (÷Ψ)", "measured", "predicted"]
+    header += ["paper convention", "paper", "ring wire", "complete"]
+    lines = [header, ["---"] * len(header)]
+    for row in rows:
+        measured, predicted = row.comm_measured, row.comm_predicted
+        if measured is None or predicted is None or row.rank != 0:
+            continue
+        psi = predicted.num_params or 1
+        kinds = " + ".join(
+            f"{_SHORT_KINDS.get(k, k)} {n / psi:.3f}"
+            for k, n in measured.elements_by_kind().items()
+        )
+        lines.append(
+            [
+                row.strategy,
+                kinds or "none",
+                format_bytes(measured.bytes),
+                format_bytes(predicted.payload_bytes),
+                f"{predicted.convention_elements / psi:.2f} Ψ",
+                f"{predicted.paper_elements / psi:.0f} Ψ",
+                f"{predicted.wire_elements() / psi:.2f} Ψ",
+                "yes" if measured.complete else f"no: {measured.reason}",
+            ]
+        )
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def _comm_cells(row: ComparisonRow) -> list[str]:
+    measured, predicted = row.comm_measured, row.comm_predicted
+    cells = ["-", "-"]
+    if measured is not None:
+        cells[0] = format_bytes(measured.bytes) + ("" if measured.complete else "*")
+    if predicted is not None:
+        cells[1] = format_bytes(predicted.payload_bytes)
+    return cells
+
+
+def _comm_json(row: ComparisonRow) -> dict[str, Any] | None:
+    measured, predicted = row.comm_measured, row.comm_predicted
+    if measured is None and predicted is None:
+        return None
+    out: dict[str, Any] = {"measured": measured.as_dict() if measured else None}
+    if predicted is not None:
+        out["predicted"] = {
+            "payload": dict(predicted.payload),
+            "payload_bytes": predicted.payload_bytes,
+            "paper_elements": predicted.paper_elements,
+            "paper_bytes": predicted.paper_bytes,
+            "ring_wire_elements": predicted.wire_elements("ring"),
+            "element_size": predicted.element_size,
+        }
+    return out
+
+
 def _milliseconds(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
@@ -131,7 +222,7 @@ def rows_as_json(rows: Sequence[ComparisonRow]) -> list[dict[str, Any]]:
     Examples:
         >>> row = ComparisonRow("ddp", 0, 1, 0, ModelState(4, 4, 8), ModelState(4, 4, 8))
         >>> rows_as_json([row])[0]["measured"]
-        {'params': 4, 'grads': 4, 'optimizer': 8, 'total': 16}
+        {'params': 4, 'grads': 4, 'optimizer': 8, 'buckets': 0, 'total': 16}
     """
     return [
         {
@@ -146,6 +237,7 @@ def rows_as_json(rows: Sequence[ComparisonRow]) -> list[dict[str, Any]]:
             "loss": row.loss,
             "peak_bytes": row.peak_bytes,
             "peak_kind": row.peak_kind,
+            "comm": _comm_json(row),
         }
         for row in rows
     ]

@@ -1,0 +1,319 @@
+"""Counting the collectives a rank issues: calls, elements and bytes per kind (private).
+
+:func:`count_collectives` pushes a ``TorchDispatchMode`` that sees every ``torch.ops.c10d``
+op issued on the calling thread: DDP's C++ reducer, FairScale OSS and ShardedDDP, FSDP1 and
+FSDP2 all reach the process group through those ops, with their exact tensors. A dispatch
+mode is thread-local, so collectives issued from another thread (the ``.then`` callbacks of
+a DDP communication hook such as PowerSGD run on gloo's threads) are not seen. The counter
+notices them through the process groups' sequence numbers, which every collective of a group
+advances whichever thread issues it, and marks the result ``complete=False`` with a reason:
+a short count is never silent.
+
+**Payload, the unit counted.** For each collective, the elements of the *logical* tensor it
+works on: the tensor all-reduced, broadcast or reduced; the full (input) tensor of a
+reduce-scatter; the full (output) tensor of an all-gather; the input of an all-to-all; the
+tensor sent or received. That is the unit of the ZeRO paper's Ψ: an all-reduce of the
+gradients is "Ψ" of payload, whatever algorithm moves it. See
+:func:`fsdp_guide.memory.predict_communication` for how payload relates to the paper's
+"2Ψ" and to the bytes a ring really sends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CollectiveKind = Literal[
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "barrier",
+]
+
+#: Every kind, in the order tables show them.
+COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = (
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "barrier",
+)
+
+# c10d op name -> (kind, index of the argument whose tensors are the payload).
+_OPS: dict[str, tuple[CollectiveKind, int]] = {
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "reduce_scatter_": ("reduce_scatter", 1),  # (outputs, inputs): the full tensors in
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "allgather_": ("all_gather", 0),  # (outputs, inputs): the full tensors out
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_coalesced_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "broadcast_": ("broadcast", 0),
+    "reduce_": ("reduce", 0),
+    "alltoall_": ("all_to_all", 1),
+    "alltoall_base_": ("all_to_all", 1),
+    "gather_": ("gather", 1),
+    "scatter_": ("scatter", 0),
+    "send": ("send", 0),
+    "recv_": ("recv", 0),
+    "recv_any_source_": ("recv", 0),
+    "barrier": ("barrier", 0),
+    "monitored_barrier_": ("barrier", 0),
+}
+
+
+@dataclass(frozen=True)
+class CollectiveCount:
+    """Calls and payload of one kind of collective.
+
+    Attributes:
+        calls: Collectives of this kind issued.
+        elements: Payload elements (see the module docstring for which tensor is counted).
+        bytes: Payload bytes (elements times their element size, each at its own dtype).
+        dtypes: The dtypes seen, as ``str(torch.dtype)``, sorted.
+    """
+
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+    dtypes: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready dict.
+
+        Examples:
+            >>> CollectiveCount(1, 4, 16, ("torch.float32",)).as_dict()["bytes"]
+            16
+        """
+        return {
+            "calls": self.calls,
+            "elements": self.elements,
+            "bytes": self.bytes,
+            "dtypes": list(self.dtypes),
+        }
+
+
+@dataclass(frozen=True)
+class CommStats:
+    """What one rank issued while :func:`count_collectives` was active.
+
+    Attributes:
+        kinds: Per collective kind, its :class:`CollectiveCount` (kinds never seen are absent).
+        complete: ``False`` when collectives may have been issued that were not counted
+            (from another thread, or on a group whose sequence number cannot be read).
+        reason: Why ``complete`` is ``False``; ``""`` otherwise.
+        unseen_calls: Collectives the process groups issued that the counter did not see.
+    """
+
+    kinds: Mapping[str, CollectiveCount] = field(default_factory=dict)
+    complete: bool = True
+    reason: str = ""
+    unseen_calls: int = 0
+
+    @property
+    def calls(self) -> int:
+        """Collectives counted, all kinds."""
+        return sum(c.calls for c in self.kinds.values())
+
+    @property
+    def elements(self) -> int:
+        """Payload elements counted, all kinds."""
+        return sum(c.elements for c in self.kinds.values())
+
+    @property
+    def bytes(self) -> int:
+        """Payload bytes counted, all kinds.
+
+        Examples:
+            >>> stats = CommStats({"all_reduce": CollectiveCount(2, 10, 40)})
+            >>> stats.calls, stats.elements, stats.bytes
+            (2, 10, 40)
+        """
+        return sum(c.bytes for c in self.kinds.values())
+
+    def elements_by_kind(self) -> dict[str, int]:
+        """Payload elements per kind, in :data:`COLLECTIVE_KINDS` order, barriers left out.
+
+        Examples:
+            >>> CommStats({"broadcast": CollectiveCount(1, 3, 12)}).elements_by_kind()
+            {'broadcast': 3}
+        """
+        return {
+            k: self.kinds[k].elements
+            for k in COLLECTIVE_KINDS
+            if k in self.kinds and k != "barrier"
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready dict with the per-kind breakdown.
+
+        Examples:
+            >>> CommStats({"reduce": CollectiveCount(1, 3, 12)}).as_dict()["kinds"]["reduce"]
+            {'calls': 1, 'elements': 3, 'bytes': 12, 'dtypes': []}
+        """
+        return {
+            "calls": self.calls,
+            "elements": self.elements,
+            "bytes": self.bytes,
+            "complete": self.complete,
+            "reason": self.reason,
+            "unseen_calls": self.unseen_calls,
+            "kinds": {k: c.as_dict() for k, c in self.kinds.items()},
+        }
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _process_group(args: Any) -> Any:
+    """The op's process group: the script object among its arguments that unboxes to one."""
+    for arg in args:
+        if type(arg).__name__ == "ScriptObject":  # the group, or a ReduceOp
+            try:
+                return torch.distributed.ProcessGroup.unbox(arg)
+            except RuntimeError:
+                continue
+    return None
+
+
+class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records each c10d op: its kind, payload and process group; runs it unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.counts: dict[str, list[Any]] = {}
+        self.per_group: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "c10d":
+            kind, index = _OPS.get(func._opname, (None, 0))
+            if kind is not None:
+                tensors = list(_tensors(args[index])) if kind != "barrier" else []
+                calls, elements, nbytes, dtypes = self.counts.setdefault(kind, [0, 0, 0, set()])
+                self.counts[kind] = [
+                    calls + 1,
+                    elements + sum(t.numel() for t in tensors),
+                    nbytes + sum(t.numel() * t.element_size() for t in tensors),
+                    dtypes | {str(t.dtype) for t in tensors},
+                ]
+                group = _process_group(args)
+                if group is not None:
+                    self.per_group[id(group)] = self.per_group.get(id(group), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _sequence_numbers() -> dict[Any, int | None]:
+    """Each live process group's collective sequence number (``None`` where unreadable)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return {}
+    from torch.distributed.distributed_c10d import _world
+
+    numbers: dict[Any, int | None] = {}
+    for group in list(_world.pg_map):
+        try:
+            numbers[group] = int(group._get_sequence_number_for_group())  # type: ignore[attr-defined]
+        except (RuntimeError, AttributeError):  # a backend without sequence numbers
+            numbers[group] = None
+    return numbers
+
+
+class CommCounter:
+    """The live handle :func:`count_collectives` yields; read :attr:`stats` after the block."""
+
+    def __init__(self) -> None:
+        self._stats: CommStats | None = None
+
+    @property
+    def stats(self) -> CommStats:
+        """The counts, available once the ``with`` block has ended.
+
+        Raises:
+            RuntimeError: When read inside the block.
+        """
+        if self._stats is None:
+            raise RuntimeError("read .stats after the `with count_collectives()` block ends")
+        return self._stats
+
+
+@contextmanager
+def count_collectives() -> Iterator[CommCounter]:
+    """Count the collectives this rank issues while the block runs, per kind.
+
+    Every ``torch.ops.c10d`` op issued on this thread is counted with its exact tensors.
+    Collectives issued from other threads are not counted. Every process group (gloo, NCCL)
+    advances a sequence number per collective, point-to-point included, whichever thread
+    issues it: when a group advanced by more than was seen on it, the result says
+    ``complete=False``, how many were missed and why.
+
+    Yields:
+        A :class:`CommCounter`; its ``stats`` is a :class:`CommStats` after the block.
+
+    Raises:
+        RuntimeError: Reading ``stats`` inside the block.
+
+    Examples:
+        Without a process group nothing is issued, and the count is complete:
+
+        >>> with count_collectives() as counter:
+        ...     _ = torch.ones(3) * 2
+        >>> counter.stats.calls, counter.stats.complete
+        (0, True)
+    """
+    counter = CommCounter()
+    before = _sequence_numbers()
+    thread = threading.get_ident()
+    mode = _Mode()
+    with mode:
+        yield counter
+    if threading.get_ident() != thread:  # pragma: no cover - contextmanager keeps the thread
+        raise RuntimeError("count_collectives must end on the thread it started on")
+    after = _sequence_numbers()
+    unseen, unreadable = 0, []
+    for group, start in before.items():
+        end = after.get(group)
+        seen = mode.per_group.get(id(group), 0)
+        if start is None or end is None:
+            if seen:
+                unreadable.append(type(group).__name__)
+            continue
+        unseen += max(0, end - start - seen)
+    reasons = []
+    if unseen:
+        reasons.append(
+            f"{unseen} collective(s) were issued from another thread (a DDP communication "
+            "hook's callbacks, say) and are not in the counts"
+        )
+    if unreadable:
+        reasons.append("a process group has no sequence number, so other threads are unchecked")
+    kinds: dict[str, CollectiveCount] = {
+        kind: CollectiveCount(c[0], c[1], c[2], tuple(sorted(c[3])))
+        for kind in COLLECTIVE_KINDS
+        if (c := mode.counts.get(kind)) is not None
+    }
+    counter._stats = CommStats(kinds, not reasons, "; ".join(reasons), unseen)

@@ -1,0 +1,243 @@
+"""The ZeRO paper's communication volume per training step, and what each strategy issues (private).
+
+ZeRO (Rajbhandari et al., 2020, section 7) counts what one rank moves per step, for ``Ψ``
+parameters: data parallelism (stage 0) and ZeRO-1/2 move ``2Ψ``, ZeRO-3 ``3Ψ``. Three units
+meet here, and the gap between them is the lesson:
+
+* **Payload**, what :func:`fsdp_guide.memory.count_collectives` measures: the elements of the
+  logical tensor of each collective (the tensor all-reduced; the full tensor of a
+  reduce-scatter or an all-gather). DDP issues one all-reduce of ``Ψ`` elements: payload Ψ.
+* **The paper's convention**: an all-reduce counts ``2Ψ``, because the paper builds it from a
+  reduce-scatter (``Ψ``) and an all-gather (``Ψ``); every other collective counts its payload.
+  So DDP is ``2Ψ``, ZeRO-3's reduce-scatter plus two all-gathers ``3Ψ``.
+* **The wire**: what a rank really sends in a ring over ``g`` ranks: ``2(g-1)/g`` of the
+  payload for an all-reduce, ``(g-1)/g`` for the others; the paper's figure is its limit for
+  large ``g``. Gloo runs a reduce-scatter as an all-reduce on the wire (``2(g-1)/g``).
+
+And the implementations differ from the paper's algorithms: FairScale OSS and
+ZeroRedundancyOptimizer all-reduce the full gradient and then broadcast each updated shard
+(payload ``2Ψ``, paper convention ``3Ψ``, not ``2Ψ``); ShardedDDP reduces each gradient to
+its owner and broadcasts (``2Ψ``); FSDP does not gather the root unit again in backward, as
+it keeps it unsharded after forward, so ZeRO-3's all-gathers are ``2Ψ - R`` for a root unit of
+``R`` parameters (FSDP1 with the whole model as one unit gathers ``Ψ`` in all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from fsdp_guide.catalog._table import get_strategy
+from fsdp_guide.launcher._checks import check_world_size
+
+_DTYPE_SIZES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp64": 8}
+
+
+@dataclass(frozen=True)
+class CommPrediction:
+    """Predicted communication of one rank in one training step.
+
+    Attributes:
+        strategy: The strategy name, or ``"zero0"``-``"zero3"`` for the paper's own algorithm.
+        num_params: ``Ψ``.
+        world_size: ``N``.
+        element_size: Bytes per element communicated.
+        payload: Payload elements per collective kind that the strategy issues.
+        group_sizes: Ranks in the group of each kind (a hybrid strategy's all-reduce spans
+            the replicas, its reduce-scatter and all-gather one shard group).
+        paper_elements: The ZeRO paper's figure for the strategy's stage: ``2Ψ`` or ``3Ψ``.
+    """
+
+    strategy: str
+    num_params: int
+    world_size: int
+    element_size: int
+    payload: Mapping[str, int]
+    group_sizes: Mapping[str, int] = field(default_factory=dict)
+    paper_elements: int = 0
+
+    @property
+    def payload_elements(self) -> int:
+        """The payload elements of every kind together."""
+        return sum(self.payload.values())
+
+    @property
+    def payload_bytes(self) -> int:
+        """The payload bytes of every kind together, what ``count_collectives`` measures."""
+        return self.payload_elements * self.element_size
+
+    @property
+    def paper_bytes(self) -> int:
+        """The ZeRO paper's figure in bytes."""
+        return self.paper_elements * self.element_size
+
+    @property
+    def convention_elements(self) -> int:
+        """The payload in the paper's convention, where an all-reduce counts twice.
+
+        Examples:
+            >>> oss = predict_communication("oss", 1000, 2)
+            >>> oss.payload_elements, oss.convention_elements, oss.paper_elements
+            (2000, 3000, 2000)
+        """
+        return sum(n * (2 if k == "all_reduce" else 1) for k, n in self.payload.items())
+
+    def wire_elements(self, algorithm: Literal["ring", "gloo"] = "ring") -> float:
+        """Elements this rank sends on the wire, on average over ranks.
+
+        ``"ring"``: ``2(g-1)/g`` of an all-reduce's payload, ``(g-1)/g`` of the others'.
+        ``"gloo"``: the same, except that gloo runs a reduce-scatter as an all-reduce.
+
+        Examples:
+            >>> predict_communication("ddp", 1000, 4).wire_elements()
+            1500.0
+            >>> fsdp = predict_communication("fsdp_grad_op", 1000, 2)
+            >>> fsdp.wire_elements(), fsdp.wire_elements("gloo")
+            (1000.0, 1500.0)
+        """
+        total = 0.0
+        for kind, elements in self.payload.items():
+            g = self.group_sizes.get(kind, self.world_size)
+            twice = kind == "all_reduce" or (algorithm == "gloo" and kind == "reduce_scatter")
+            total += elements * (2 if twice else 1) * (g - 1) / g
+        return total
+
+
+def _element_size(dtype: torch.dtype | str) -> int:
+    if isinstance(dtype, torch.dtype):
+        return torch.empty((), dtype=dtype).element_size()
+    if dtype in _DTYPE_SIZES:
+        return _DTYPE_SIZES[dtype]
+    raise ValueError(
+        f"unknown dtype {dtype!r}; use a torch.dtype or one of {', '.join(_DTYPE_SIZES)}"
+    )
+
+
+def predict_communication(
+    strategy: str,
+    num_params: int,
+    world_size: int,
+    dtype: torch.dtype | str = "fp32",
+    root_unit_params: int = 0,
+) -> CommPrediction:
+    """Payload per collective kind that one rank issues in one training step, and ZeRO's figure.
+
+    What each strategy issues per step (``Ψ`` parameters, ``N`` ranks, shard groups of ``S``):
+
+    ======================================= ============================================ =====
+    strategy                                payload per kind                             paper
+    ======================================= ============================================ =====
+    ``ddp``, ``fsdp_no_shard``, zero0       all-reduce Ψ                                 2Ψ
+    ``zero1``, ``oss``                      all-reduce Ψ, broadcast Ψ                    2Ψ
+    ``sharded_ddp(_buckets)``               reduce Ψ, broadcast Ψ                        2Ψ
+    ``fsdp_grad_op``, zero2                 reduce-scatter Ψ, all-gather Ψ               2Ψ
+    ``fsdp``, ``fsdp2``, FairScale, zero3   reduce-scatter Ψ, all-gather 2Ψ - R          3Ψ
+    ``fsdp_hybrid``                         as ``fsdp`` in groups of S, all-reduce Ψ/S   3Ψ
+    ======================================= ============================================ =====
+
+    ``R`` is the root unit's parameters: FSDP keeps the root unit unsharded from forward to
+    backward, so only the other units are gathered twice (``R = Ψ`` when the whole model is
+    one unit; see :func:`root_unit_params`). The paper's zero3 has ``R = 0``. The hybrid
+    all-reduce of each ``Ψ/S`` gradient shard spans the ``N/S`` replicas; FSDP1 issues it
+    even when there is one replica (it sends nothing then).
+
+    Args:
+        strategy: A name from :data:`fsdp_guide.catalog.STRATEGIES`, or ``"zero0"``,
+            ``"zero2"``, ``"zero3"`` for the paper's algorithm (``"zero1"`` is the catalog's
+            ZeroRedundancyOptimizer).
+        num_params: ``Ψ``.
+        world_size: ``N``.
+        dtype: What is communicated: a ``torch.dtype`` or ``"fp32"``, ``"fp16"``, ``"bf16"``.
+        root_unit_params: ``R`` for the fully sharded strategies; ignored by the others.
+
+    Returns:
+        A :class:`CommPrediction`.
+
+    Raises:
+        ValueError: For an unknown strategy or dtype, a world size below 1, or a negative
+            ``num_params`` or ``root_unit_params`` above ``num_params``.
+
+    Examples:
+        >>> ddp = predict_communication("ddp", 1000, 2)
+        >>> dict(ddp.payload), ddp.payload_bytes, ddp.paper_elements
+        ({'all_reduce': 1000}, 4000, 2000)
+        >>> fsdp = predict_communication("fsdp2", 1000, 2, "bf16", root_unit_params=100)
+        >>> dict(fsdp.payload), fsdp.payload_bytes, fsdp.paper_bytes
+        ({'reduce_scatter': 1000, 'all_gather': 1900}, 5800, 6000)
+        >>> predict_communication("zero5", 1, 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown strategy 'zero5'; choose from ddp, zero1, oss, sharded_ddp, ...
+    """
+    check_world_size(world_size)
+    psi = num_params
+    if isinstance(psi, bool) or not isinstance(psi, int) or psi < 0:
+        raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
+    if not 0 <= root_unit_params <= psi:
+        raise ValueError(
+            f"root_unit_params must be between 0 and num_params={psi}, got {root_unit_params}"
+        )
+    size = _element_size(dtype)
+    if strategy in ("zero0", "zero2", "zero3"):
+        stage, name, shard = int(strategy[-1]), strategy, world_size
+        kind = {0: "ddp", 2: "fsdp_grad_op", 3: "zero3"}[stage]
+    else:
+        spec = get_strategy(strategy)
+        stage, name = spec.zero_stage, spec.name
+        shard = spec.shard_group_size(world_size)
+        kind = name
+    payload: dict[str, int]
+    groups: dict[str, int] = {}
+    if kind in ("ddp", "fsdp_no_shard"):
+        payload = {"all_reduce": psi}
+    elif kind in ("zero1", "oss"):
+        payload = {"all_reduce": psi, "broadcast": psi}
+    elif kind in ("sharded_ddp", "sharded_ddp_buckets"):
+        payload = {"reduce": psi, "broadcast": psi}
+    elif kind == "fsdp_grad_op":
+        payload = {"reduce_scatter": psi, "all_gather": psi}
+    else:  # fully sharded: fsdp, fsdp2, fsdp_hybrid, fairscale_fsdp, the paper's zero3
+        payload = {"reduce_scatter": psi, "all_gather": 2 * psi - root_unit_params}
+        groups = {"reduce_scatter": shard, "all_gather": shard}
+        if name == "fsdp_hybrid":  # FSDP1 all-reduces across replicas even when there is one
+            payload["all_reduce"] = psi // shard
+            groups["all_reduce"] = world_size // shard
+    paper = (3 if stage == 3 else 2) * psi
+    return CommPrediction(name, psi, world_size, size, payload, groups, paper)
+
+
+def root_unit_params(module: nn.Module) -> int:
+    """Parameters of a fully sharded model's root unit: gathered once per step, not twice.
+
+    FSDP1 (``FullyShardedDataParallel``) and FSDP2 (``fully_shard``) keep the root unit's
+    parameters unsharded between forward and backward; every other unit is gathered again in
+    backward. The root unit holds the parameters not inside a nested unit.
+
+    Args:
+        module: The wrapped model (the root FSDP1 module or the FSDP2 root module).
+
+    Returns:
+        The root unit's parameter count, ``0`` for a module that is not fully sharded.
+
+    Examples:
+        >>> root_unit_params(nn.Linear(2, 2))
+        0
+    """
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(module, FullyShardedDataParallel):
+        handle: Any = module._handle
+        return int(sum(handle.flat_param._numels)) if handle is not None else 0
+    if isinstance(module, FSDPModule) and isinstance(module, nn.Module):
+        nested = {
+            id(p)
+            for name, sub in module.named_modules()
+            if name and isinstance(sub, FSDPModule)
+            for p in module.get_submodule(name).parameters()
+        }
+        return sum(p.numel() for p in module.parameters() if id(p) not in nested)
+    return 0
