@@ -1,13 +1,13 @@
 """Memory and communication per rank, measured and predicted.
 
+:func:`measure_model_state` counts the bytes of parameters, gradients and optimizer state
+that a rank holds; :func:`estimate_model_state` gives what the ZeRO formulas predict for
+the same setting; :func:`peak_memory` reads the device's (or process's) peak.
+
 **Communication.** :func:`count_collectives` counts the collectives a rank issues (calls,
 elements and bytes per kind, and whether the count is complete);
 :func:`predict_communication` gives the ZeRO paper's volume per step and the payload each
 strategy issues, in the same units, so they compare like memory does.
-
-:func:`measure_model_state` counts the bytes of parameters, gradients and optimizer state
-that a rank holds; :func:`estimate_model_state` gives what the ZeRO formulas predict for
-the same setting; :func:`peak_memory` reads the device's (or process's) peak.
 
 **When to measure.** Call :func:`measure_model_state` **after** ``optimizer.step()`` and **before**
 ``optimizer.zero_grad()``. At that point every kind of state exists at once: the

@@ -243,8 +243,34 @@ def rows_as_json(rows: Sequence[ComparisonRow]) -> list[dict[str, Any]]:
     ]
 
 
+def _bar_groups(rows: Sequence[ComparisonRow]) -> list[tuple[str, ComparisonRow]]:
+    """One bar per strategy when its ranks hold the same bytes, else one per rank.
+
+    Examples:
+        >>> state = ModelState(1, 1, 1)
+        >>> same = [ComparisonRow("ddp", r, 2, 0, state, state) for r in (0, 1)]
+        >>> [label for label, _ in _bar_groups(same)]
+        ['ddp']
+        >>> odd = [ComparisonRow("oss", r, 2, 1, ModelState(1, 1, r), state) for r in (0, 1)]
+        >>> [label for label, _ in _bar_groups(odd)]
+        ['oss r0', 'oss r1']
+    """
+    by_strategy: dict[str, list[ComparisonRow]] = {}
+    for row in rows:
+        by_strategy.setdefault(row.strategy, []).append(row)
+    groups: list[tuple[str, ComparisonRow]] = []
+    for name, mine in by_strategy.items():
+        if len({(r.measured, r.predicted) for r in mine}) == 1:
+            groups.append((name, mine[0]))
+        else:
+            groups += [(f"{name} r{r.rank}", r) for r in mine]
+    return groups
+
+
 def plot_comparison(rows: Sequence[ComparisonRow], path: str | Path | None = None) -> Any:
-    """Bar chart: measured bytes per strategy and rank (stacked by kind) next to the prediction.
+    """Bar chart: measured bytes per strategy (stacked by kind) next to the prediction.
+
+    Ranks that hold the same bytes share one bar; otherwise each rank gets its own.
 
     matplotlib is imported here, with the non-interactive Agg backend when saving to a file
     outside a notebook.
@@ -270,12 +296,16 @@ def plot_comparison(rows: Sequence[ComparisonRow], path: str | Path | None = Non
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{row.strategy}\nrank {row.rank}" for row in rows]
-    xs = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.5))
-    bottom = [0.0] * len(rows)
+    groups = _bar_groups(rows)
+    labels = [label for label, _ in groups]
+    shown = [row for _, row in groups]
+    xs = range(len(shown))
+    # A fixed width: the site shows the image in a ~700 px column, and a wider figure would
+    # be scaled down until its labels are unreadable.
+    fig, ax = plt.subplots(figsize=(8.0, 4.8))
+    bottom = [0.0] * len(shown)
     for kind, color in (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868")):
-        heights = [getattr(row.measured, kind) / 1e6 for row in rows]
+        heights = [getattr(row.measured, kind) / 1e6 for row in shown]
         ax.bar(
             [x - 0.2 for x in xs],
             heights,
@@ -285,7 +315,7 @@ def plot_comparison(rows: Sequence[ComparisonRow], path: str | Path | None = Non
             label=f"measured {kind}",
         )
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    predicted = [row.predicted.total / 1e6 for row in rows]
+    predicted = [row.predicted.total / 1e6 for row in shown]
     ax.bar(
         [x + 0.2 for x in xs],
         predicted,
@@ -295,14 +325,26 @@ def plot_comparison(rows: Sequence[ComparisonRow], path: str | Path | None = Non
         hatch="//",
         label="ZeRO prediction",
     )
-    ax.set_xticks(list(xs), labels, fontsize=8)
-    ax.set_ylabel("model state per rank (MB)")
+    rotation = 25 if len(shown) > 5 else 0
+    ax.set_xticks(
+        list(xs), labels, fontsize=11, rotation=rotation, ha="right" if rotation else "center"
+    )
+    ax.tick_params(axis="y", labelsize=11)
+    ax.set_ylabel("model state per rank (MB)", fontsize=11)
     world = sorted({row.world_size for row in rows})
     ax.set_title(
-        f"Model state per rank, measured vs predicted (world size {', '.join(map(str, world))})"
+        f"Model state per rank, measured vs predicted (world size {', '.join(map(str, world))})",
+        fontsize=12,
     )
-    # Beside the axes, not inside: full-height bars would hide under it.
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    # Below the axes, not inside (full-height bars would hide under it) nor beside them (it
+    # would take width from the bars).
+    ax.legend(
+        fontsize=10,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.2 if rotation else -0.12),
+        ncol=4,
+        frameon=False,
+    )
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=120)
