@@ -211,3 +211,13 @@ def stuck_in_all_reduce(rank: int, world_size: int) -> int:
     else:
         dist.all_reduce(torch.ones(1))
     return rank
+
+
+def block_in_collective(rank: int, world_size: int, directory: str) -> int:
+    """Write this rank's pid, then block for good: rank 0 in a barrier, the others in recv."""
+    Path(directory, f"rank{rank}.pid").write_text(str(os.getpid()))
+    if rank == 0:
+        dist.barrier()
+    else:
+        dist.recv(torch.zeros(1), src=0)
+    return rank

@@ -154,6 +154,7 @@ def start_ranks(
                         res_w,
                         forked,
                         listener,
+                        os.getpid(),
                     ),
                     name=f"fsdp_guide-rank{rank}",
                     daemon=False,
