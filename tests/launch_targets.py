@@ -221,3 +221,26 @@ def block_in_collective(rank: int, world_size: int, directory: str) -> int:
     else:
         dist.recv(torch.zeros(1), src=0)
     return rank
+
+
+def save_on_rank_zero_only(rank: int, world_size: int, path: str, barrier: bool) -> int:
+    """The DDP tutorials' habit: rank 0 alone saves, then (maybe) every rank meets."""
+    from fsdp_guide import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    if rank == 0:
+        checkpoint.save(path, model)
+    if barrier:
+        dist.barrier()
+    return rank
+
+
+def load_on_rank_zero_only(rank: int, world_size: int, path: str) -> int:
+    from fsdp_guide import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    checkpoint.save(path, model)
+    if rank == 0:
+        checkpoint.load(path, model)
+    dist.barrier()
+    return rank
