@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,3 +117,37 @@ def test_a_cell_with_a_syntax_error_fails_before_any_rank_starts(
     result = shell.run_cell("%%distributed --world-size 2\nx = (\n")
     assert isinstance(result.error_in_exec, SyntaxError)
     assert "was never closed" in str(result.error_in_exec)
+
+
+def test_an_optimizer_built_before_fsdp2_shard_fails_the_cell_with_the_fix(shell: Any) -> None:
+    # Written from the docs alone: the optimizer first, then `model = shard(model, ...)`.
+    shell.run_cell(
+        "import torch\nfrom fsdp_guide import shard\n"
+        "from fsdp_guide.models import TinyTransformer, TransformerConfig\n"
+        "config = TransformerConfig(vocab_size=64, dim=32, n_heads=2, "
+        "n_layers=2, seq_len=16)"
+    )
+    t0 = time.monotonic()
+    result = shell.run_cell(
+        "%%distributed --world-size 2 --backend gloo --timeout 60\n"
+        "torch.manual_seed(0)\n"
+        "model = TinyTransformer(config)\n"
+        "optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)\n"
+        'model = shard(model, engine="fsdp2")\n'
+        "for step in range(3):\n"
+        "    tokens = torch.randint(0, 64, (2, 16))\n"
+        "    model(tokens).float().pow(2).mean().backward()\n"
+        "    optimizer.step()\n"
+        "    optimizer.zero_grad()\n"
+    )
+    elapsed = time.monotonic() - t0
+    err = result.error_in_exec
+    assert isinstance(err, RankError)
+    message = str(err)
+    assert (
+        "OptimizerMismatchError: this optimizer was built before shard(..., engine='fsdp2')"
+        in message
+    )
+    assert "Build the optimizer after wrapping" in message
+    assert "optimizer.step()" in message  # the user's line, in the rank's traceback
+    assert elapsed < 30, elapsed

@@ -17,6 +17,7 @@ from torch import nn
 
 from fsdp_guide.errors import EngineUnavailableError
 from fsdp_guide.launcher import rank_device
+from fsdp_guide.wrap._optimizer_check import watch_replaced_parameters
 from fsdp_guide.wrap._policy import WrapPolicy, selected_modules
 
 Engine = Literal["fsdp1", "fsdp2", "fairscale_fsdp"]
@@ -144,6 +145,10 @@ def shard(
         TypeError: ``module`` is not a Module or ``policy`` not a WrapPolicy.
         RuntimeError: No process group is initialised.
 
+    An optimizer built before :func:`shard`, from the parameters it replaced, is refused
+    at its first ``step()`` with :class:`~fsdp_guide.wrap.OptimizerMismatchError`: with
+    ``"fsdp2"``, which shards in place, nothing else would show the mistake.
+
     Examples:
         Sharding needs a process group; the checks run before anything happens:
 
@@ -185,7 +190,16 @@ def shard(
             "unwrapped model. Pass policy=None to only wrap the root, or drop the manual wraps"
         )
     _check_process_group("shard()")
-    options = dict(engine_options)
+    before = list(module.parameters())
+    wrapped = _shard_with(engine, module, policy, dict(engine_options))
+    # An optimizer built before this call would step the replaced parameters: refuse it.
+    watch_replaced_parameters(before, wrapped, engine)
+    return wrapped
+
+
+def _shard_with(
+    engine: Engine, module: nn.Module, policy: WrapPolicy | None, options: dict[str, Any]
+) -> nn.Module:
     if engine == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
