@@ -150,3 +150,28 @@ def to_sharded_precision(plugin: Precision) -> ShardedPrecision | ShardedMixedPr
         )
         return ShardedMixedPrecision(precision, plugin.device)
     return ShardedPrecision()
+
+
+class ShardAwarePrecisionMixin:
+    """Turn whatever precision plugin Lightning sets on a strategy into its shard-aware twin.
+
+    Lightning 1.x chose the FairScale plugin while building the ``Trainer``; Lightning 2.x
+    builds its own plugin and assigns it to ``strategy.precision_plugin`` before the strategy
+    is used. Converting in that setter restores the 1.x behaviour: right after
+    ``Trainer(...)``, ``trainer.precision_plugin`` is already shard-aware, and an unsupported
+    precision fails there, before any rank starts. Listed before ``DDPStrategy`` among the
+    bases.
+    """
+
+    _precision_plugin: Precision | None
+
+    @property
+    def precision_plugin(self) -> Precision:
+        """The strategy's shard-aware precision plugin (32-bit when none was set)."""
+        if self._precision_plugin is None:
+            self._precision_plugin = ShardedPrecision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = None if plugin is None else to_sharded_precision(plugin)

@@ -41,7 +41,11 @@ from fsdp_guide.strategies._fsdp_helpers import (
     contains_fsdp,
     normalize_layer_classes,
 )
-from fsdp_guide.strategies._precision import check_sharded_precision, to_sharded_precision
+from fsdp_guide.strategies._precision import (
+    ShardAwarePrecisionMixin,
+    check_sharded_precision,
+    to_sharded_precision,
+)
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -55,7 +59,7 @@ USE_TRAINER_MODEL = (
 )
 
 
-class DDPFullyShardedStrategy(DDPStrategy):
+class DDPFullyShardedStrategy(ShardAwarePrecisionMixin, DDPStrategy):
     """Fully sharded data parallel training with FairScale FSDP (CUDA only).
 
     Args:
