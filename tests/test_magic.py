@@ -10,7 +10,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 import fsdp_guide
-from fsdp_guide import RankError
+from fsdp_guide import LaunchTimeout, RankError
 from fsdp_guide.launcher.magic import parse_magic_line
 
 pytestmark = pytest.mark.timeout(120)
@@ -80,7 +80,57 @@ def test_bad_options_are_refused_before_any_rank_starts(line: str, match: str) -
 def test_bad_world_size_fails_the_cell_before_starting(shell: Any) -> None:
     result = shell.run_cell("%%distributed --world-size 0\nx = 1\n")
     assert isinstance(result.error_in_exec, ValueError)
-    assert "world_size must be an int >= 1, got 0" in str(result.error_in_exec)
+    assert "--world-size must be >= 1, got 0" in str(result.error_in_exec)
+
+
+def test_a_bad_timeout_names_the_magics_option(shell: Any) -> None:
+    result = shell.run_cell("%%distributed --timeout 0\nx = 1\n")
+    assert isinstance(result.error_in_exec, ValueError)
+    assert "--timeout must be a positive number of seconds, got 0" in str(result.error_in_exec)
+
+
+def test_a_timeout_names_the_magics_option_and_shows_the_cells_line_first(
+    shell: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    t0 = time.monotonic()
+    result = shell.run_cell(
+        "%%distributed --world-size 2 --backend gloo --timeout 3\n"
+        "import time, torch.distributed as dist\n"
+        "if rank == 0:\n"
+        "    dist.barrier()\n"
+        "else:\n"
+        "    time.sleep(60)\n"
+    )
+    elapsed = time.monotonic() - t0
+    assert elapsed < 3 + 10, elapsed
+    err = result.error_in_exec
+    assert isinstance(err, LaunchTimeout)
+    assert "Raise `--timeout` (seconds, on the %%distributed line)" in str(err)
+    assert "timeout=" not in str(err)
+    captured = capfd.readouterr()
+    rank0 = [line for line in captured.err.splitlines() if line.startswith("[rank0] ")]
+    start = next(i for i, line in enumerate(rank0) if "Current thread" in line)
+    assert '"<distributed-cell-' in rank0[start + 1] and "line 3" in rank0[start + 1]
+    assert any("machinery elided" in line for line in rank0[start : start + 8])
+    # What the notebook shows for the error: the message, no frame of the package.
+    assert "LaunchTimeout: ranks [0, 1] still running" in captured.out
+    for frame in ("magic.py", "_launch.py", "_supervisor.py", "selectors.py"):
+        assert frame not in captured.out
+
+
+def test_a_failing_rank_shows_its_traceback_and_no_frame_of_the_magic(
+    shell: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    result = shell.run_cell(
+        "%%distributed --world-size 2 --backend gloo --timeout 60\n"
+        "if rank == 1:\n"
+        "    raise KeyError('missing shard')\n"
+    )
+    assert isinstance(result.error_in_exec, RankError)
+    shown = capfd.readouterr().out
+    assert "raise KeyError('missing shard')" in shown
+    for frame in ("magic.py", "_launch.py", "_supervisor.py", "interactiveshell.py"):
+        assert frame not in shown
 
 
 def test_gathering_an_unpicklable_value_names_the_variable(shell: Any) -> None:

@@ -13,7 +13,8 @@ torchrun environment), ``_supervisor`` (one loop in the caller's thread: start, 
 collect, stop) with ``_reports`` (what each rank reported, which failure to blame),
 ``_worker`` (what runs inside a rank), ``_process_group`` (joining ``torch.distributed``:
 launched ranks, torchrun, :func:`dist_init`), ``_output`` (whole-line relay), ``magic``
-(the cell magic), ``_orphan`` (a rank dies with its launcher), ``_entry`` (a
+(the cell magic), ``_orphan`` (a rank dies with its launcher), ``_stacks`` (a
+rank's stack dump, user's frames first), ``_entry`` (a
 collective helper called on some ranks only fails within seconds).
 """
 

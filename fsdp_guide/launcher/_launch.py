@@ -14,6 +14,7 @@ import multiprocessing as mp
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fsdp_guide.errors import LaunchError
 from fsdp_guide.launcher import _supervisor
 from fsdp_guide.launcher._checks import (
     Backend,
@@ -127,4 +128,9 @@ def launch(
     ranks = _supervisor.start_ranks(
         ctx, fn, world_size, args, kwargs, chosen_backend, MASTER_ADDR, port, timeout
     )
-    return _supervisor.supervise(ranks, timeout)
+    try:
+        return _supervisor.supervise(ranks, timeout)
+    except LaunchError as err:
+        # The supervisor's and selectors' frames say nothing about the failure; the rank's
+        # own traceback is in the message.
+        raise err.with_traceback(None) from None
