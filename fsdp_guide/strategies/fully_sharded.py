@@ -42,8 +42,8 @@ from fsdp_guide.strategies._fsdp_helpers import (
     normalize_layer_classes,
 )
 from fsdp_guide.strategies._precision import (
-    ShardAwarePrecisionMixin,
     check_sharded_precision,
+    shard_aware_precision_plugin,
     to_sharded_precision,
 )
 
@@ -59,7 +59,7 @@ USE_TRAINER_MODEL = (
 )
 
 
-class DDPFullyShardedStrategy(ShardAwarePrecisionMixin, DDPStrategy):
+class DDPFullyShardedStrategy(DDPStrategy):
     """Fully sharded data parallel training with FairScale FSDP (CUDA only).
 
     Args:
@@ -104,6 +104,8 @@ class DDPFullyShardedStrategy(ShardAwarePrecisionMixin, DDPStrategy):
     """
 
     strategy_name = "ddp_fully_sharded"
+    # Lightning assigns the plugin it built here: it becomes shard-aware at once.
+    precision_plugin = shard_aware_precision_plugin()
 
     def __init__(
         self,

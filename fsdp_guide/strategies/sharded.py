@@ -38,8 +38,8 @@ from fsdp_guide.strategies._common import (
     unwrap_optimizer,
 )
 from fsdp_guide.strategies._precision import (
-    ShardAwarePrecisionMixin,
     check_sharded_precision,
+    shard_aware_precision_plugin,
     to_sharded_precision,
 )
 
@@ -81,7 +81,7 @@ def _keep_bucket_views_on_zero_grad(optimizer: Optimizer, sharded_ddp: Any) -> N
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
 
-class DDPShardedStrategy(ShardAwarePrecisionMixin, DDPStrategy):
+class DDPShardedStrategy(DDPStrategy):
     """Optimizer state and gradient sharding (FairScale OSS + ShardedDDP) for Lightning 2.x.
 
     Runs on CPU (gloo) and GPUs (NCCL). Precision: ``"32-true"``, ``"bf16-mixed"`` (CPU and
@@ -126,6 +126,8 @@ class DDPShardedStrategy(ShardAwarePrecisionMixin, DDPStrategy):
     """
 
     strategy_name = "ddp_sharded"
+    # Lightning assigns the plugin it built here: it becomes shard-aware at once.
+    precision_plugin = shard_aware_precision_plugin()
     # Lightning 1.x's _REDUCE_BUFFER_SIZE_DEFAULT: ShardedDDP's buckets, for several nodes.
     REDUCE_BUFFER_SIZE_MULTI_NODE = 2**23
 
