@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import signal
 import stat
@@ -37,7 +36,9 @@ def _set_pdeathsig(sig: int) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # The interpreter's own symbols include libc's: no ctypes.util.find_library, which
+        # runs ldconfig in a subprocess (slow, and a fork from a freshly forked rank).
+        libc = ctypes.CDLL(None, use_errno=True)
         return bool(libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
