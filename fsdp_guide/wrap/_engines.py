@@ -145,9 +145,10 @@ def shard(
         TypeError: ``module`` is not a Module or ``policy`` not a WrapPolicy.
         RuntimeError: No process group is initialised.
 
-    An optimizer built before :func:`shard`, from the parameters it replaced, is refused
-    at its first ``step()`` with :class:`~fsdp_guide.wrap.OptimizerMismatchError`: with
-    ``"fsdp2"``, which shards in place, nothing else would show the mistake.
+    With ``"fsdp2"``, which shards in place, an optimizer built before :func:`shard` is
+    refused at its first ``step()`` with :class:`~fsdp_guide.wrap.OptimizerMismatchError`:
+    nothing else would show the mistake. With the other engines
+    :func:`~fsdp_guide.wrap.check_optimizer` catches it.
 
     Examples:
         Sharding needs a process group; the checks run before anything happens:
@@ -192,8 +193,11 @@ def shard(
     _check_process_group("shard()")
     before = list(module.parameters())
     wrapped = _shard_with(engine, module, policy, dict(engine_options))
-    # An optimizer built before this call would step the replaced parameters: refuse it.
-    watch_replaced_parameters(before, wrapped, engine)
+    if engine == "fsdp2":
+        # Sharded in place, the same object returned: an optimizer built before this call
+        # would step the replaced parameters with nothing to show it. FSDP1 and FairScale
+        # return a new wrapper, and check_optimizer names that mistake (lesson 04 shows it).
+        watch_replaced_parameters(before, wrapped, engine)
     return wrapped
 
 
