@@ -108,3 +108,46 @@ def test_ranks_die_with_a_killed_launcher_and_free_its_ports(tmp_path: Path, met
         parent.kill()
         parent.wait()
         _kill_survivors(pids)
+
+
+_WATCHDOG_PARENT = textwrap.dedent(
+    """
+    import os, time
+    from fsdp_guide.launcher import _orphan
+
+    _orphan._set_pdeathsig = lambda sig: False  # as on a platform without prctl
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        os.setpgid(0, 0)
+        _orphan.die_with_parent(parent)
+        time.sleep(60)
+        os._exit(0)
+    print(pid, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_without_prctl_a_watchdog_thread_stops_the_orphan() -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG_PARENT], stdout=subprocess.PIPE, text=True
+    )
+    child = 0
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        time.sleep(0.3)
+        assert _alive(child)
+        parent.kill()
+        parent.wait()
+        t0 = time.monotonic()
+        while _alive(child) and time.monotonic() - t0 < 5.0:
+            time.sleep(0.05)
+        elapsed = time.monotonic() - t0
+        assert not _alive(child), "the orphan outlived its parent"
+        assert elapsed < 2.0, elapsed  # the watchdog polls every 0.2 s
+    finally:
+        parent.kill()
+        parent.wait()
+        _kill_survivors([child] if child else [])

@@ -76,6 +76,11 @@ def launch(
     are launching too has crashed children inside ``os.fork`` itself (seen in a test
     suite, not in this package's code).
 
+    Each rank dies with the process that launched it, however that process ends (a kernel
+    restarted after a crash, say), and a forked rank lets go at once of the sockets it
+    inherited, so that a restarted kernel can bind its ports again: open any connection a
+    rank needs (a database, a tracking service) inside ``fn``.
+
     Forked ranks run torch's CPU operators on one thread: GNU OpenMP, which CPU builds of
     torch use, deadlocks in a forked child that asks for more threads once the parent has
     used its pool. Spawned ranks share the cores (``cpu_count // world_size`` threads each,
