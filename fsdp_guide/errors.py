@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "CheckpointError",
+    "CollectiveCallError",
     "CommandError",
     "EngineUnavailableError",
     "LaunchError",
@@ -97,6 +98,18 @@ class CheckpointError(RuntimeError):
 
     Examples:
         >>> isinstance(CheckpointError("missing shard"), RuntimeError)
+        True
+    """
+
+
+class CollectiveCallError(RuntimeError):
+    """A collective helper (``checkpoint.save``, say) was called on some ranks only.
+
+    Raised within seconds by the ranks that did call it, instead of a hang until the
+    process-group timeout. The usual cause is ``if rank == 0:`` around the call.
+
+    Examples:
+        >>> isinstance(CollectiveCallError("rank 1 did not call save"), RuntimeError)
         True
     """
 

@@ -211,3 +211,36 @@ def stuck_in_all_reduce(rank: int, world_size: int) -> int:
     else:
         dist.all_reduce(torch.ones(1))
     return rank
+
+
+def block_in_collective(rank: int, world_size: int, directory: str) -> int:
+    """Write this rank's pid, then block for good: rank 0 in a barrier, the others in recv."""
+    Path(directory, f"rank{rank}.pid").write_text(str(os.getpid()))
+    if rank == 0:
+        dist.barrier()
+    else:
+        dist.recv(torch.zeros(1), src=0)
+    return rank
+
+
+def save_on_rank_zero_only(rank: int, world_size: int, path: str, barrier: bool) -> int:
+    """The DDP tutorials' habit: rank 0 alone saves, then (maybe) every rank meets."""
+    from fsdp_guide import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    if rank == 0:
+        checkpoint.save(path, model)
+    if barrier:
+        dist.barrier()
+    return rank
+
+
+def load_on_rank_zero_only(rank: int, world_size: int, path: str) -> int:
+    from fsdp_guide import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    checkpoint.save(path, model)
+    if rank == 0:
+        checkpoint.load(path, model)
+    dist.barrier()
+    return rank

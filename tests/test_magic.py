@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 import fsdp_guide
-from fsdp_guide import RankError
+from fsdp_guide import LaunchTimeout, RankError
 from fsdp_guide.launcher.magic import parse_magic_line
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,7 +80,57 @@ def test_bad_options_are_refused_before_any_rank_starts(line: str, match: str) -
 def test_bad_world_size_fails_the_cell_before_starting(shell: Any) -> None:
     result = shell.run_cell("%%distributed --world-size 0\nx = 1\n")
     assert isinstance(result.error_in_exec, ValueError)
-    assert "world_size must be an int >= 1, got 0" in str(result.error_in_exec)
+    assert "--world-size must be >= 1, got 0" in str(result.error_in_exec)
+
+
+def test_a_bad_timeout_names_the_magics_option(shell: Any) -> None:
+    result = shell.run_cell("%%distributed --timeout 0\nx = 1\n")
+    assert isinstance(result.error_in_exec, ValueError)
+    assert "--timeout must be a positive number of seconds, got 0" in str(result.error_in_exec)
+
+
+def test_a_timeout_names_the_magics_option_and_shows_the_cells_line_first(
+    shell: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    t0 = time.monotonic()
+    result = shell.run_cell(
+        "%%distributed --world-size 2 --backend gloo --timeout 3\n"
+        "import time, torch.distributed as dist\n"
+        "if rank == 0:\n"
+        "    dist.barrier()\n"
+        "else:\n"
+        "    time.sleep(60)\n"
+    )
+    elapsed = time.monotonic() - t0
+    assert elapsed < 3 + 10, elapsed
+    err = result.error_in_exec
+    assert isinstance(err, LaunchTimeout)
+    assert "Raise `--timeout` (seconds, on the %%distributed line)" in str(err)
+    assert "timeout=" not in str(err)
+    captured = capfd.readouterr()
+    rank0 = [line for line in captured.err.splitlines() if line.startswith("[rank0] ")]
+    start = next(i for i, line in enumerate(rank0) if "Current thread" in line)
+    assert '"<distributed-cell-' in rank0[start + 1] and "line 3" in rank0[start + 1]
+    assert any("machinery elided" in line for line in rank0[start : start + 8])
+    # What the notebook shows for the error: the message, no frame of the package.
+    assert "LaunchTimeout: ranks [0, 1] still running" in captured.out
+    for frame in ("magic.py", "_launch.py", "_supervisor.py", "selectors.py"):
+        assert frame not in captured.out
+
+
+def test_a_failing_rank_shows_its_traceback_and_no_frame_of_the_magic(
+    shell: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    result = shell.run_cell(
+        "%%distributed --world-size 2 --backend gloo --timeout 60\n"
+        "if rank == 1:\n"
+        "    raise KeyError('missing shard')\n"
+    )
+    assert isinstance(result.error_in_exec, RankError)
+    shown = capfd.readouterr().out
+    assert "raise KeyError('missing shard')" in shown
+    for frame in ("magic.py", "_launch.py", "_supervisor.py", "interactiveshell.py"):
+        assert frame not in shown
 
 
 def test_gathering_an_unpicklable_value_names_the_variable(shell: Any) -> None:
@@ -116,3 +167,37 @@ def test_a_cell_with_a_syntax_error_fails_before_any_rank_starts(
     result = shell.run_cell("%%distributed --world-size 2\nx = (\n")
     assert isinstance(result.error_in_exec, SyntaxError)
     assert "was never closed" in str(result.error_in_exec)
+
+
+def test_an_optimizer_built_before_fsdp2_shard_fails_the_cell_with_the_fix(shell: Any) -> None:
+    # Written from the docs alone: the optimizer first, then `model = shard(model, ...)`.
+    shell.run_cell(
+        "import torch\nfrom fsdp_guide import shard\n"
+        "from fsdp_guide.models import TinyTransformer, TransformerConfig\n"
+        "config = TransformerConfig(vocab_size=64, dim=32, n_heads=2, "
+        "n_layers=2, seq_len=16)"
+    )
+    t0 = time.monotonic()
+    result = shell.run_cell(
+        "%%distributed --world-size 2 --backend gloo --timeout 60\n"
+        "torch.manual_seed(0)\n"
+        "model = TinyTransformer(config)\n"
+        "optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)\n"
+        'model = shard(model, engine="fsdp2")\n'
+        "for step in range(3):\n"
+        "    tokens = torch.randint(0, 64, (2, 16))\n"
+        "    model(tokens).float().pow(2).mean().backward()\n"
+        "    optimizer.step()\n"
+        "    optimizer.zero_grad()\n"
+    )
+    elapsed = time.monotonic() - t0
+    err = result.error_in_exec
+    assert isinstance(err, RankError)
+    message = str(err)
+    assert (
+        "OptimizerMismatchError: this optimizer was built before shard(..., engine='fsdp2')"
+        in message
+    )
+    assert "Build the optimizer after wrapping" in message
+    assert "optimizer.step()" in message  # the user's line, in the rank's traceback
+    assert elapsed < 30, elapsed

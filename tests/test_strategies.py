@@ -63,10 +63,11 @@ def assert_same_state(got: Any, want: Any) -> None:
 @pytest.mark.parametrize(
     ("module_cls", "sharded_ddp_kwargs", "buckets"),
     [
-        (RecordingBoringModel, {}, True),
-        (RecordingTransformer, {}, True),
-        # Extra arguments reach ShardedDataParallel: no buckets, one reduce per gradient.
-        (RecordingTransformer, {"reduce_buffer_size": 0}, False),
+        # One node: no reduce buckets by default, one reduce per gradient (Lightning 1.6-1.9).
+        (RecordingBoringModel, {}, False),
+        (RecordingTransformer, {}, False),
+        # Extra arguments reach ShardedDataParallel: a bucket size given is used.
+        (RecordingTransformer, {"reduce_buffer_size": 2**20}, True),
     ],
 )
 def test_sharded_matches_plain_ddp_per_step(

@@ -217,3 +217,16 @@ def test_sharded_strategy_fp16_uses_the_sharded_grad_scaler() -> None:
     fp32 = FSDPTransformer(use_own_params=True)
     train(DDPShardedStrategy(), fp32)
     assert_close(fp32.losses, reference_losses(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("strategy", ["ddp_sharded_fork", "ddp_fully_sharded"])
+def test_16_mixed_gets_the_sharded_grad_scaler_when_the_trainer_is_built(strategy: str) -> None:
+    from fairscale.optim.grad_scaler import ShardedGradScaler
+
+    from fsdp_guide.strategies import ShardedMixedPrecision
+
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="gpu", devices=1, precision="16-mixed", logger=False
+    )
+    assert type(trainer.precision_plugin) is ShardedMixedPrecision
+    assert isinstance(trainer.precision_plugin.scaler, ShardedGradScaler)

@@ -59,6 +59,17 @@ def test_registration_is_idempotent_and_refuses_foreign_names() -> None:
         register_fairscale_strategies(foreign)
 
 
+def test_the_differences_the_migration_guide_lists() -> None:
+    # docs/guide/migration.md, "What stays as in 1.x, and what differs on purpose".
+    for gone in (
+        "ddp_sharded_find_unused_parameters_false",
+        "ddp_sharded_spawn_find_unused_parameters_false",
+    ):
+        assert gone not in StrategyRegistry
+    spawn = StrategyRegistry.get("ddp_sharded_spawn")
+    assert type(spawn) is DDPShardedStrategy and spawn.strategy_name == "ddp_sharded"
+
+
 def test_trainer_accepts_the_string_name() -> None:
     trainer = pl.Trainer(
         strategy="ddp_sharded_notebook", accelerator="cpu", devices=2, logger=False
@@ -98,6 +109,64 @@ def test_negative_min_num_params() -> None:
 def test_sharded_ddp_kwargs_are_kept() -> None:
     strategy = DDPShardedStrategy(reduce_buffer_size=0, broadcast_buffers=False)
     assert strategy.sharded_ddp_kwargs == {"reduce_buffer_size": 0, "broadcast_buffers": False}
+
+
+@pytest.mark.parametrize(
+    ("num_nodes", "kwargs", "expected"),
+    [
+        (1, {}, 0),  # Lightning 1.6-1.9: no reduce buckets on one node
+        (2, {}, 2**23),  # buckets pay across nodes
+        (2, {"reduce_buffer_size": 1024}, 1024),  # the user's value is kept
+        (1, {"reduce_buffer_size": 2**20}, 2**20),
+    ],
+)
+def test_reduce_buffer_size_defaults_as_in_lightning_1x(
+    num_nodes: int, kwargs: dict[str, Any], expected: int
+) -> None:
+    strategy = DDPShardedStrategy(**kwargs)
+    pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, num_nodes=num_nodes, logger=False)
+    assert strategy.num_nodes == num_nodes
+    assert strategy.sharded_ddp_options()["reduce_buffer_size"] == expected
+    assert strategy.sharded_ddp_kwargs == kwargs  # the user's arguments, unchanged
+
+
+# Lightning turns "16-mixed" on CPU into "bf16-mixed" (with a warning) before the strategy
+# sees it; "16-mixed" proper needs CUDA (test_strategies_gpu.py).
+@pytest.mark.filterwarnings(
+    "ignore:You passed `Trainer\\(accelerator='cpu', precision='16-mixed'\\)`"
+)
+@pytest.mark.parametrize(
+    ("precision", "expected", "flag"),
+    [
+        ("32-true", ShardedPrecision, None),
+        ("bf16-mixed", ShardedMixedPrecision, "bf16-mixed"),
+        ("16-mixed", ShardedMixedPrecision, "bf16-mixed"),
+    ],
+)
+def test_trainer_holds_the_shard_aware_precision_plugin_once_built(
+    precision: str, expected: type, flag: str | None
+) -> None:
+    trainer = pl.Trainer(
+        strategy="ddp_sharded_fork",
+        accelerator="cpu",
+        devices=2,
+        precision=precision,  # type: ignore[arg-type]
+        logger=False,
+    )
+    assert type(trainer.precision_plugin) is expected
+    assert trainer.strategy.precision_plugin is trainer.precision_plugin
+    if flag is not None:
+        assert trainer.precision_plugin.precision == flag
+
+
+def test_fully_sharded_strategy_makes_any_plugin_it_is_given_shard_aware() -> None:
+    # Its Trainer needs CUDA; the connector assigns the plugin exactly like this.
+    strategy = DDPFullyShardedStrategy()
+    assert type(strategy.precision_plugin) is ShardedPrecision
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    assert type(strategy.precision_plugin) is ShardedMixedPrecision
+    with pytest.raises(ValueError, match="use precision='32-true', 'bf16-mixed'"):
+        strategy.precision_plugin = HalfPrecision("bf16-true")
 
 
 def test_fully_sharded_defaults_follow_the_api_page() -> None:

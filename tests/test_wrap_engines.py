@@ -6,6 +6,7 @@ test_wrap_sharded.py.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -211,6 +212,39 @@ def test_optimizer_built_before_wrapping_is_caught(engine: str) -> None:
     with pytest.raises(OptimizerMismatchError, match=r"built from the unwrapped model.*Build the"):
         check_optimizer(sharded, early)
     check_optimizer(sharded, torch.optim.AdamW(sharded.parameters(), lr=1e-3))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("engine", ["fsdp2"])
+def test_stepping_an_optimizer_built_before_shard_fails_with_the_fix(engine: str) -> None:
+    # The notebook case: fsdp2 shards in place, so `model = shard(model)` looks harmless.
+    t0 = time.monotonic()
+    model = build()
+    early = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model = shard(model, engine=engine)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.seq_len))
+    model(tokens).float().pow(2).mean().backward()
+    with pytest.raises(
+        OptimizerMismatchError,
+        match=rf"built before shard\(\.\.\., engine='{engine}'\).*Build the optimizer after",
+    ):
+        early.step()
+    late = torch.optim.Adam(model.parameters(), lr=1e-2)
+    late.step()  # built afterwards: steps normally
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("one_rank_group")
+def test_fsdp1_leaves_the_early_optimizer_to_check_optimizer() -> None:
+    # Lesson 04 trains with it to show the flat loss, then check_optimizer names the fix.
+    model = build()
+    early = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model = shard(model, engine="fsdp1")
+    early.step()
+    with pytest.raises(OptimizerMismatchError, match="built from the unwrapped model"):
+        check_optimizer(model, early)
 
 
 def test_optimizer_with_no_parameters_is_caught() -> None:

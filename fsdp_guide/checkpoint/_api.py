@@ -33,6 +33,7 @@ from fsdp_guide.checkpoint._state import (
     set_full_state,
 )
 from fsdp_guide.errors import CheckpointError
+from fsdp_guide.launcher._entry import every_rank_enters
 
 CheckpointKind = Literal["full", "sharded"]
 
@@ -109,6 +110,8 @@ def save(
             other files. Raised before anything is written.
         TypeError: ``extra`` holds something a ``weights_only`` load would refuse.
         CheckpointError: Writing failed on some rank; the previous checkpoint is intact.
+        CollectiveCallError: Some rank did not call it within a few seconds of the others
+            (``if rank == 0:`` around the call).
 
     Examples:
         >>> import tempfile
@@ -118,6 +121,7 @@ def save(
         >>> load(path, nn.Linear(2, 1), None)
         {'step': 7}
     """
+    every_rank_enters("fsdp_guide.checkpoint.save")
     path = Path(path)
     strategy = detect_strategy(model, optimizer)
     _check_save_arguments(path, kind, strategy, extra)
@@ -162,6 +166,7 @@ def load(
             take (FairScale FSDP at another world size, ZeRO or OSS), parameter names or shapes
             that differ (listed), an optimizer state the checkpoint lacks, or one of another
             optimizer type (both named).
+        CollectiveCallError: Some rank did not call it within a few seconds of the others.
 
     Examples:
         >>> import tempfile
@@ -170,6 +175,7 @@ def load(
         ...
         fsdp_guide.errors.CheckpointError: checkpoint file .../none.pt does not exist...
     """
+    every_rank_enters("fsdp_guide.checkpoint.load")
     path = Path(path)
     strategy = detect_strategy(model, optimizer)
     if path.is_dir():

@@ -13,18 +13,21 @@ torchrun environment), ``_supervisor`` (one loop in the caller's thread: start, 
 collect, stop) with ``_reports`` (what each rank reported, which failure to blame),
 ``_worker`` (what runs inside a rank), ``_process_group`` (joining ``torch.distributed``:
 launched ranks, torchrun, :func:`dist_init`), ``_output`` (whole-line relay), ``magic``
-(the cell magic).
+(the cell magic), ``_orphan`` (a rank dies with its launcher), ``_stacks`` (a
+rank's stack dump, user's frames first), ``_entry`` (a
+collective helper called on some ranks only fails within seconds).
 """
 
 from __future__ import annotations
 
-from fsdp_guide.errors import LaunchError, LaunchTimeout, RankError
+from fsdp_guide.errors import CollectiveCallError, LaunchError, LaunchTimeout, RankError
 from fsdp_guide.launcher._checks import in_interactive_session, resolve_backend
 from fsdp_guide.launcher._launch import launch
 from fsdp_guide.launcher._process_group import dist_init, rank_device
 from fsdp_guide.launcher._rendezvous import find_free_port
 
 __all__ = [
+    "CollectiveCallError",
     "LaunchError",
     "LaunchTimeout",
     "RankError",

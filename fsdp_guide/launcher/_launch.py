@@ -14,6 +14,7 @@ import multiprocessing as mp
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fsdp_guide.errors import LaunchError
 from fsdp_guide.launcher import _supervisor
 from fsdp_guide.launcher._checks import (
     Backend,
@@ -63,6 +64,11 @@ def launch(
     Launch from one thread at a time: forking while other threads of a long-lived process
     are launching too has crashed children inside ``os.fork`` itself (seen in a test
     suite, not in this package's code).
+
+    Each rank dies with the process that launched it, however that process ends (a kernel
+    restarted after a crash, say), and a forked rank lets go at once of the sockets it
+    inherited, so that a restarted kernel can bind its ports again: open any connection a
+    rank needs (a database, a tracking service) inside ``fn``.
 
     Forked ranks run torch's CPU operators on one thread: GNU OpenMP, which CPU builds of
     torch use, deadlocks in a forked child that asks for more threads once the parent has
@@ -127,4 +133,9 @@ def launch(
     ranks = _supervisor.start_ranks(
         ctx, fn, world_size, args, kwargs, chosen_backend, MASTER_ADDR, port, timeout
     )
-    return _supervisor.supervise(ranks, timeout)
+    try:
+        return _supervisor.supervise(ranks, timeout)
+    except LaunchError as err:
+        # The supervisor's and selectors' frames say nothing about the failure; the rank's
+        # own traceback is in the message.
+        raise err.with_traceback(None) from None

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TextIO
 
+from fsdp_guide.launcher._stacks import StackFilter
+
 __all__: list[str] = []
 
 # A line longer than this is printed in pieces, so a rank writing without newlines cannot
@@ -26,6 +28,7 @@ class _Stream:
     decoder: codecs.IncrementalDecoder = field(default_factory=_utf8_decoder)
     pending: list[str] = field(default_factory=list)  # pieces of the unfinished line
     pending_chars: int = 0
+    stacks: StackFilter | None = None  # rewrites stack dumps (on the stderr stream)
 
 
 def _emit(stream: _Stream, data: bytes, final: bool = False) -> None:
@@ -50,6 +53,10 @@ def _emit(stream: _Stream, data: bytes, final: bool = False) -> None:
             lines.append(rest[:_MAX_LINE_CHARS])
             rest = rest[_MAX_LINE_CHARS:]
         stream.pending, stream.pending_chars = ([rest] if rest else []), len(rest)
+    if stream.stacks is not None:
+        lines = stream.stacks.feed(lines)
+        if final:
+            lines.extend(stream.stacks.flush())
     if lines:
         prefix = f"[rank{stream.rank}] "
         stream.sink.write("".join(f"{prefix}{line}\n" for line in lines))

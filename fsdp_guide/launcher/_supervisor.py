@@ -32,10 +32,13 @@ from fsdp_guide.launcher._reports import (
     root_cause,
     wait_for_the_cause,
 )
+from fsdp_guide.launcher._stacks import StackFilter
 
 __all__: list[str] = []
 
 _TERMINATE_GRACE_S = 2.0
+# How the timeout's message names the option that raises it; the magic names its own.
+TIMEOUT_OPTION = "`timeout=`"
 # How long ranks may linger after every one has sent its result (a non-daemon thread or a
 # child process keeps a rank alive) before they are stopped and the results returned.
 _EXIT_GRACE_S = 3.0
@@ -154,6 +157,7 @@ def start_ranks(
                         res_w,
                         forked,
                         listener,
+                        os.getpid(),
                     ),
                     name=f"fsdp_guide-rank{rank}",
                     daemon=False,
@@ -166,7 +170,10 @@ def start_ranks(
                 if listener is not None:
                     listener.close()  # rank 0 has its own copy now
             r = Rank(rank=rank, process=process, result=res_r)
-            r.streams = [_Stream(rank, out_r, sys.stdout), _Stream(rank, err_r, sys.stderr)]
+            r.streams = [
+                _Stream(rank, out_r, sys.stdout),
+                _Stream(rank, err_r, sys.stderr, stacks=StackFilter()),
+            ]
             ranks.append(r)
     except BaseException:
         stop_all(ranks)
@@ -198,8 +205,8 @@ def supervise(ranks: list[Rank], timeout: float) -> list[Any]:
                 raise LaunchTimeout(
                     f"ranks {running} still running after {timeout:g} s; all ranks were "
                     "stopped (their stacks at that moment are printed above). Raise "
-                    "`timeout=` if the work is just slow, or look for a rank that skipped a "
-                    "collective the others entered.",
+                    f"{TIMEOUT_OPTION} if the work is just slow, or look for a rank that "
+                    "skipped a collective the others entered.",
                     ranks=running,
                     timeout=timeout,
                 )

@@ -3,7 +3,8 @@
 Kept apart from the supervisor so a spawned child imports as little as possible. A rank:
 
 1. becomes leader of its own process group, so the supervisor can stop it together with
-   any processes it started (data-loader workers, say);
+   any processes it started (data-loader workers, say), and arranges to die with the
+   launching process (``_orphan.py``): a killed kernel must not leave ranks behind;
 2. sends its stdout and stderr, at the file-descriptor level, into pipes that the
    supervisor reads line by line (C++ warnings from gloo included);
 3. initialises ``torch.distributed``, runs the user's function, destroys the group;
@@ -27,6 +28,7 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
+from fsdp_guide.launcher._orphan import die_with_parent, release_inherited_sockets
 from fsdp_guide.launcher._process_group import init_launched_rank
 
 __all__: list[str] = []
@@ -118,17 +120,25 @@ def run_rank(
     result_w: Connection,
     forked: bool,
     listener: socket.socket | None = None,
+    parent_pid: int | None = None,
 ) -> None:
     """Entry point of one rank; never raises, reports through ``result_w`` instead.
 
     ``fn`` is the function itself in a forked rank; in a spawned rank it is the pickled
     ``(fn, args, kwargs)``, unpickled after the output is redirected so that an import
     failure reaches the caller as this rank's error instead of dying unseen.
+    ``parent_pid`` is the launcher's: the rank dies with it.
     """
     with contextlib.suppress(OSError):  # already a group leader
         os.setpgid(0, 0)
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     sys.stdout = _redirect_stream(1, stdout_w)
     sys.stderr = _redirect_stream(2, stderr_w)
+    if forked:
+        # A forked rank holds copies of the launcher's sockets (a kernel's five ports): let
+        # them go, so they are free the moment the launcher dies. Spawned ranks inherit none.
+        release_inherited_sockets({listener.fileno()} if listener is not None else set())
     # On timeout the launcher sends SIGUSR1 first: every thread's stack then shows where
     # this rank is stuck (usually a collective that another rank never entered).
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)

@@ -65,6 +65,12 @@ def parse_magic_line(line: str) -> argparse.Namespace:
             f"%%distributed: unrecognized arguments: {' '.join(extra)}; "
             f"valid options: {_usage(parser)}"
         )
+    if opts.world_size < 1:
+        raise ValueError(f"%%distributed: --world-size must be >= 1, got {opts.world_size}")
+    if not 0 < opts.timeout < float("inf"):
+        raise ValueError(
+            f"%%distributed: --timeout must be a positive number of seconds, got {opts.timeout}"
+        )
     for name in opts.gather:
         if not name.isidentifier():
             raise ValueError(f"%%distributed: --gather takes variable names, got {name!r}")
@@ -198,6 +204,36 @@ class DistributedMagics(Magics):
                 gather=opts.gather,
             )
         except LaunchError as err:
-            # The launcher's frames say nothing about the cell; keep only the message.
-            raise err.with_traceback(None) from None
+            raise _in_magic_terms(err) from None
+        except ValueError as err:  # refused before any rank started, in launch()'s terms
+            raise ValueError(_magic_options(str(err))) from None
         shell.user_ns.update(gathered)
+
+
+# launch()'s argument names, as this magic's options.
+_OPTION_NAMES = (
+    ("`timeout=`", "`--timeout` (seconds, on the %%distributed line)"),
+    ("backend='gloo'", "--backend gloo"),
+    ("backend='nccl'", "--backend nccl"),
+    ("world_size", "--world-size"),
+)
+
+
+def _magic_options(text: str) -> str:
+    for launch_name, option in _OPTION_NAMES:
+        text = text.replace(launch_name, option)
+    return text
+
+
+def _in_magic_terms(err: LaunchError) -> LaunchError:
+    """``err`` worded with the magic's options, shown in IPython as its message alone.
+
+    The launcher's frames say nothing about the cell, and a rank's traceback is already in
+    the message; IPython shows an exception's ``_render_traceback_()`` instead of frames.
+    """
+    text = _magic_options(str(err))
+    if text != str(err):
+        err.args = (text, *err.args[1:])
+    name = f"{type(err).__module__}.{type(err).__qualname__}"
+    err._render_traceback_ = lambda: [f"{name}: {text}"]  # type: ignore[attr-defined]
+    return err.with_traceback(None)

@@ -150,3 +150,40 @@ def to_sharded_precision(plugin: Precision) -> ShardedPrecision | ShardedMixedPr
         )
         return ShardedMixedPrecision(precision, plugin.device)
     return ShardedPrecision()
+
+
+def _get_plugin(strategy: Any) -> Precision:
+    """The strategy's shard-aware precision plugin (32-bit when none was set)."""
+    if strategy._precision_plugin is None:
+        strategy._precision_plugin = ShardedPrecision()
+    plugin: Precision = strategy._precision_plugin
+    return plugin
+
+
+def _set_plugin(strategy: Any, plugin: Precision | None) -> None:
+    strategy._precision_plugin = None if plugin is None else to_sharded_precision(plugin)
+
+
+def shard_aware_precision_plugin() -> property:
+    """A ``precision_plugin`` property that turns any plugin set into its shard-aware twin.
+
+    Lightning 1.x chose the FairScale plugin while building the ``Trainer``; Lightning 2.x
+    builds its own plugin and assigns it to ``strategy.precision_plugin`` before the strategy
+    is used. Converting in that setter restores the 1.x behaviour: right after
+    ``Trainer(...)``, ``trainer.precision_plugin`` is already shard-aware, and an unsupported
+    precision fails there, before any rank starts. A property rather than a base class, so
+    the strategies' documented bases stay Lightning's.
+
+    Returns:
+        The property, for a strategy's class body: ``precision_plugin = shard_aware_...()``.
+
+    Examples:
+        >>> class Holder:
+        ...     _precision_plugin = None
+        ...     precision_plugin = shard_aware_precision_plugin()
+        >>> holder = Holder()
+        >>> holder.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+        >>> type(holder.precision_plugin).__name__
+        'ShardedMixedPrecision'
+    """
+    return property(_get_plugin, _set_plugin, doc=_get_plugin.__doc__)

@@ -41,7 +41,11 @@ from fsdp_guide.strategies._fsdp_helpers import (
     contains_fsdp,
     normalize_layer_classes,
 )
-from fsdp_guide.strategies._precision import check_sharded_precision, to_sharded_precision
+from fsdp_guide.strategies._precision import (
+    check_sharded_precision,
+    shard_aware_precision_plugin,
+    to_sharded_precision,
+)
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -100,6 +104,8 @@ class DDPFullyShardedStrategy(DDPStrategy):
     """
 
     strategy_name = "ddp_fully_sharded"
+    # Lightning assigns the plugin it built here: it becomes shard-aware at once.
+    precision_plugin = shard_aware_precision_plugin()
 
     def __init__(
         self,

@@ -37,7 +37,11 @@ from fsdp_guide.strategies._common import (
     retarget_schedulers,
     unwrap_optimizer,
 )
-from fsdp_guide.strategies._precision import check_sharded_precision, to_sharded_precision
+from fsdp_guide.strategies._precision import (
+    check_sharded_precision,
+    shard_aware_precision_plugin,
+    to_sharded_precision,
+)
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -97,7 +101,10 @@ class DDPShardedStrategy(DDPStrategy):
             Lightning's ``"ddp"``), ``"spawn"``, or ``"fork"`` (notebooks). In an
             interactive session ``"popen"`` cannot work and ``"fork"`` is used instead.
         **kwargs: Passed to FairScale's ``ShardedDataParallel``
-            (``broadcast_buffers``, ``reduce_buffer_size``, ``reduce_fp16``, ...).
+            (``broadcast_buffers``, ``reduce_buffer_size``, ``reduce_fp16``, ...). Unless
+            given, ``reduce_buffer_size`` is ``0`` on one node (no reduce buckets: each
+            gradient goes to its shard's owner as soon as it is ready, as in Lightning
+            1.6-1.9) and ``2**23`` elements on several nodes, where bucketing pays.
 
     Raises:
         TypeError: For a keyword argument ShardedDataParallel does not take.
@@ -106,6 +113,12 @@ class DDPShardedStrategy(DDPStrategy):
         >>> strategy = DDPShardedStrategy(reduce_buffer_size=0)
         >>> strategy.strategy_name, strategy.sharded_ddp_kwargs
         ('ddp_sharded', {'reduce_buffer_size': 0})
+        >>> DDPShardedStrategy().sharded_ddp_options()
+        {'reduce_buffer_size': 0}
+        >>> strategy = DDPShardedStrategy()
+        >>> strategy.num_nodes = 2  # what Trainer(num_nodes=2) sets
+        >>> strategy.sharded_ddp_options()
+        {'reduce_buffer_size': 8388608}
         >>> DDPShardedStrategy(find_unused_parameters=True)
         Traceback (most recent call last):
         ...
@@ -113,6 +126,10 @@ class DDPShardedStrategy(DDPStrategy):
     """
 
     strategy_name = "ddp_sharded"
+    # Lightning assigns the plugin it built here: it becomes shard-aware at once.
+    precision_plugin = shard_aware_precision_plugin()
+    # Lightning 1.x's _REDUCE_BUFFER_SIZE_DEFAULT: ShardedDDP's buckets, for several nodes.
+    REDUCE_BUFFER_SIZE_MULTI_NODE = 2**23
 
     def __init__(
         self,
@@ -199,11 +216,24 @@ class DDPShardedStrategy(DDPStrategy):
 
         assert self.model is not None
         sharded_ddp = ShardedDataParallel(
-            self.model, sharded_optimizer=list(self.optimizers), **self.sharded_ddp_kwargs
+            self.model, sharded_optimizer=list(self.optimizers), **self.sharded_ddp_options()
         )
         for optimizer in self.optimizers:
             _keep_bucket_views_on_zero_grad(optimizer, sharded_ddp)
         self.model = sharded_ddp
+
+    def sharded_ddp_options(self) -> dict[str, Any]:
+        """The keyword arguments ShardedDataParallel gets: the user's, with Lightning 1.x's default.
+
+        Returns:
+            ``sharded_ddp_kwargs`` with ``reduce_buffer_size`` set, unless the user gave it,
+            to ``0`` on one node and ``2**23`` on several.
+        """
+        options = dict(self.sharded_ddp_kwargs)
+        options.setdefault(
+            "reduce_buffer_size", self.REDUCE_BUFFER_SIZE_MULTI_NODE if self.num_nodes > 1 else 0
+        )
+        return options
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

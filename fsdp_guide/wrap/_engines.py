@@ -17,6 +17,7 @@ from torch import nn
 
 from fsdp_guide.errors import EngineUnavailableError
 from fsdp_guide.launcher import rank_device
+from fsdp_guide.wrap._optimizer_check import watch_replaced_parameters
 from fsdp_guide.wrap._policy import WrapPolicy, selected_modules
 
 Engine = Literal["fsdp1", "fsdp2", "fairscale_fsdp"]
@@ -120,6 +121,11 @@ def shard(
     Build the optimizer afterwards, from the returned model's parameters
     (:func:`fsdp_guide.wrap.check_optimizer` catches the opposite).
 
+    With ``"fsdp2"``, which shards in place, an optimizer built before :func:`shard` is
+    refused at its first ``step()`` with :class:`~fsdp_guide.wrap.OptimizerMismatchError`:
+    nothing else would show the mistake. With the other engines
+    :func:`~fsdp_guide.wrap.check_optimizer` catches it.
+
     Args:
         module: The model; every rank must build it with the same weights.
         engine: ``"fsdp1"`` (PyTorch FSDP1), ``"fsdp2"`` (``fully_shard`` on a 1-D device
@@ -185,7 +191,19 @@ def shard(
             "unwrapped model. Pass policy=None to only wrap the root, or drop the manual wraps"
         )
     _check_process_group("shard()")
-    options = dict(engine_options)
+    before = list(module.parameters())
+    wrapped = _shard_with(engine, module, policy, dict(engine_options))
+    if engine == "fsdp2":
+        # Sharded in place, the same object returned: an optimizer built before this call
+        # would step the replaced parameters with nothing to show it. FSDP1 and FairScale
+        # return a new wrapper, and check_optimizer names that mistake (lesson 04 shows it).
+        watch_replaced_parameters(before, wrapped, engine)
+    return wrapped
+
+
+def _shard_with(
+    engine: Engine, module: nn.Module, policy: WrapPolicy | None, options: dict[str, Any]
+) -> nn.Module:
     if engine == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 

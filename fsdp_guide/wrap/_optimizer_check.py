@@ -9,8 +9,12 @@ have no parameters left, and the optimizer refuses an empty list.
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fsdp_guide.errors import OptimizerMismatchError
 
@@ -87,3 +91,66 @@ def check_optimizer(
             f"{len(missing)} trainable parameter(s) of the model are not in the optimizer "
             f"({shown}), so they would never be updated. {fix}"
         )
+
+
+# Parameters that shard() replaced, by id, held weakly: an entry lives only as long as
+# something else (an optimizer built too early) keeps the old parameter alive, and the
+# identity check below means a new tensor reusing a dead one's id is never mistaken for it.
+_REPLACED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_replaced_by: dict[int, str] = {}  # id -> the engine that replaced it, for the message
+_hook: list[RemovableHandle] = []
+
+
+def watch_replaced_parameters(before: list[nn.Parameter], model: nn.Module, engine: str) -> None:
+    """Make ``optimizer.step()`` refuse an optimizer holding parameters that wrapping replaced.
+
+    FSDP2's ``fully_shard`` changes the model in place and :func:`~fsdp_guide.wrap.shard`
+    returns the same object, so ``model = shard(model, ...)`` after building the optimizer
+    looks harmless, yet the optimizer then steps tensors the model no longer uses: the loss
+    stays flat and nothing says why. A global step pre-hook (installed once) checks every
+    optimizer's tensors against the parameters replaced so far.
+
+    Args:
+        before: The model's parameters before wrapping.
+        model: The wrapped model.
+        engine: The engine's name, for the message.
+
+    Examples:
+        >>> layer = nn.Linear(2, 2)
+        >>> stale = torch.optim.SGD(layer.parameters(), lr=0.1)
+        >>> watch_replaced_parameters(list(layer.parameters()), nn.Linear(2, 2), "fsdp2")
+        >>> layer(torch.ones(2)).sum().backward()
+        >>> stale.step()
+        Traceback (most recent call last):
+        ...
+        fsdp_guide.errors.OptimizerMismatchError: this optimizer was built before shard(...)
+    """
+    kept = {id(p) for p in model.parameters()}
+    for p in before:
+        if id(p) not in kept:
+            _REPLACED[id(p)] = p
+            _replaced_by[id(p)] = engine
+    if len(_replaced_by) > 4 * len(_REPLACED) + 1024:  # forget ids of dead parameters
+        for key in [k for k in _replaced_by if k not in _REPLACED]:
+            del _replaced_by[key]
+    if _REPLACED and not _hook:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _hook.append(register_optimizer_step_pre_hook(_refuse_replaced_parameters))
+
+
+def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    if not _REPLACED:
+        return
+    held: list[torch.Tensor] = [p for group in optimizer.param_groups for p in group["params"]]
+    stale = [p for p in held if _REPLACED.get(id(p)) is p]
+    if not stale:
+        return
+    engine = _replaced_by.get(id(stale[0]), "the engine")
+    in_place = " (in place: shard returns the same model object)" if engine == "fsdp2" else ""
+    raise OptimizerMismatchError(
+        f"this optimizer was built before shard(..., engine={engine!r}): it holds "
+        f"{len(stale)} tensor(s) ({sum(p.numel() for p in stale):,} elements) that shard "
+        f"replaced with sharded parameters{in_place}, so stepping it would train nothing. "
+        f"{_FIX}"
+    )
