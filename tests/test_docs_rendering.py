@@ -222,3 +222,31 @@ def test_cli_page_shows_real_output_of_estimate(site: Path) -> None:  # noqa: F8
     text = html.unescape(re.sub(r"<[^>]+>", "", (site / "cli.html").read_text(encoding="utf-8")))
     assert "$ python -m fsdp_guide estimate --params 7e9 --world-size 8 --gpu-memory 80GB" in text
     assert estimate_table(7e9, 8, gpu_memory=80 * 10**9).splitlines()[0] in text
+
+
+FIELDS = ("Parameters", "Returns", "Return type", "Raises")
+
+
+def repeated_fields(page: Path) -> list[str]:
+    """Objects of an API page whose description lists a field (Parameters, ...) twice."""
+    text = page.read_text(encoding="utf-8")
+    found = []
+    for chunk in text.split('<dt class="sig sig-object py"')[1:]:
+        name = re.search(r'id="([^"]+)"', chunk)
+        for field in FIELDS:
+            if len(re.findall(rf'<dt class="field-(?:odd|even)">{field}<', chunk)) > 1:
+                found.append(f"{name.group(1) if name else '?'}: {field}")
+    return found
+
+
+def test_no_api_page_lists_a_field_twice(site: Path) -> None:  # noqa: F811
+    pages = sorted((site / "api").glob("*.html"))
+    assert pages
+    assert [f"{p.name} {r}" for p in pages for r in repeated_fields(p)] == []
+
+
+def test_repeated_fields_are_found(tmp_path: Path) -> None:
+    page = tmp_path / "api.html"
+    one = '<dt class="field-odd">Parameters<span>:</span></dt>'
+    page.write_text(f'<dt class="sig sig-object py" id="m.launch">{one}<p>prose</p>{one}')
+    assert repeated_fields(page) == ["m.launch: Parameters"]

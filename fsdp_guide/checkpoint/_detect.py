@@ -38,6 +38,15 @@ def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     PyTorch FSDP1, FairScale ShardedDDP, then the optimizer (FairScale OSS, PyTorch
     ``ZeroRedundancyOptimizer``), then DDP, else a plain module.
 
+    Args:
+        model: The model as it is trained (wrapped or not).
+        optimizer: Its optimizer, if any; OSS and ``ZeroRedundancyOptimizer`` are told
+            apart from DDP by it.
+
+    Returns:
+        ``"module"`` or the catalog engine name (``"ddp"``, ``"zero"``, ``"oss"``,
+        ``"sharded_ddp"``, ``"fsdp1"``, ``"fsdp2"``, ``"fairscale_fsdp"``).
+
     Raises:
         TypeError: ``model`` is not a module, or FSDP1/FSDP2 is applied to sub-modules
             only (wrap the root too: state dicts are taken from the root).
