@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,19 +44,7 @@ CollectiveKind = Literal[
 ]
 
 #: Every kind, in the order tables show them.
-COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = (
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "gather",
-    "scatter",
-    "send",
-    "recv",
-    "barrier",
-)
+COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = get_args(CollectiveKind)
 
 # c10d op name -> (kind, index of the argument whose tensors are the payload).
 _OPS: dict[str, tuple[CollectiveKind, int]] = {
