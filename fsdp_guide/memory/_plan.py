@@ -1,0 +1,382 @@
+"""Will it fit? Bytes per rank of a training step, planned without allocating the model (private).
+
+:func:`plan` adds up what one rank holds at its peak: the model state of the ZeRO formulas
+(as :meth:`~fsdp_guide.catalog.StrategySpec.predict` gives it), the activations autograd
+saves for backward, the largest transient buffer of the strategy, and the communication per
+step. The activations are not a formula: the model's real forward runs on fake tensors
+(:class:`torch._subclasses.fake_tensor.FakeTensorMode`), which have shapes, dtypes and
+storages but no data, and :func:`fsdp_guide.wrap.saved_activation_bytes` counts what
+autograd keeps, each storage once, as it does on real tensors. So a 70B-parameter model is
+planned in seconds on a laptop.
+
+The activations are those of the CPU kernels that fake tensors dispatch to (the math
+attention, say); CUDA's fused attention saves less. Buffers, the CUDA caching allocator's
+fragmentation and the framework's own workspace come on top.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from fsdp_guide.catalog._table import get_strategy
+from fsdp_guide.errors import PlanError
+from fsdp_guide.launcher._checks import check_world_size
+from fsdp_guide.memory._comm_zero import CommPrediction, predict_communication
+from fsdp_guide.memory._state import ModelState
+from fsdp_guide.memory._zero import Precision, bytes_per_param, estimate_model_state
+
+#: A model, or a function building one (called under ``torch.device("meta")``).
+ModelSource = nn.Module | Callable[[], nn.Module]
+#: What activation checkpointing to plan for: none, each :class:`~fsdp_guide.models.Block`,
+#: or each module of a class.
+Checkpointing = None | Literal["blocks"] | type[nn.Module]
+#: Builds a ``(inputs, targets)`` batch of ``(batch_size, seq_len)``; run on fake tensors.
+BatchBuilder = Callable[[int, int], tuple[Tensor, Tensor]]
+
+# DDP's default bucket_cap_mb: the largest gradient bucket all-reduced at once.
+_DDP_BUCKET_BYTES = 25 * 1024 * 1024
+_INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one rank holds at its peak in a training step, planned by :func:`plan`.
+
+    Attributes:
+        strategy: The catalog name of the strategy.
+        world_size: Ranks.
+        num_params: Parameters of the model (``Ψ``).
+        precision: ``"fp32"`` or ``"mixed"``.
+        state: Parameters, gradients and optimizer state per rank after ``optimizer.step()``.
+        activations: Bytes autograd saves for backward in this rank's forward.
+        transient: The largest buffer that exists only for a while: FSDP's gathered unit (its
+            parameters and unsharded gradients), DDP's gradient bucket.
+        transient_kind: What ``transient`` is, in words.
+        communication: The communication of one step.
+        cpu_offload: Whether the model state lives in CPU memory (FSDP's ``CPUOffload``).
+    """
+
+    strategy: str
+    world_size: int
+    num_params: int
+    precision: str
+    state: ModelState
+    activations: int
+    transient: int
+    transient_kind: str
+    communication: CommPrediction
+    cpu_offload: bool = False
+
+    @property
+    def device_state(self) -> int:
+        """Bytes of model state on the accelerator: none of it with CPU offload."""
+        return 0 if self.cpu_offload else self.state.total
+
+    @property
+    def total(self) -> int:
+        """Peak bytes on the accelerator: model state, activations and the transient buffer."""
+        return self.device_state + self.activations + self.transient
+
+    def as_dict(self) -> dict[str, int | str | bool]:
+        """The plan as JSON-ready values, bytes as integers.
+
+        Examples:
+            >>> from fsdp_guide.models import MLP
+            >>> p = plan(MLP(4, 8, 1, 2), batch_size=2, seq_len=1, world_size=2, strategy="ddp")
+            >>> p.as_dict()["activations"], p.as_dict()["total"] == p.total
+            (128, True)
+        """
+        return {
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "num_params": self.num_params,
+            "precision": self.precision,
+            "cpu_offload": self.cpu_offload,
+            **{k: v for k, v in self.state.as_dict().items() if k != "total"},
+            "model_state": self.state.total,
+            "activations": self.activations,
+            "transient": self.transient,
+            "transient_kind": self.transient_kind,
+            "communication": self.communication.payload_bytes,
+            "total": self.total,
+        }
+
+
+def _check_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` on the meta device, without copying a byte of its data."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to("meta")
+    return copy.deepcopy(model, memo)
+
+
+def _build(source: ModelSource) -> nn.Module:
+    if isinstance(source, nn.Module):
+        return _meta_copy(source)
+    if not callable(source):
+        raise PlanError(f"model must be an nn.Module or a function building one, got {source!r}")
+    try:
+        with torch.device("meta"):
+            model = source()
+    except Exception as exc:  # the caller's code: say which builder failed and why
+        raise PlanError(f"the model builder raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"the model builder returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _to_fake(model: nn.Module) -> None:
+    """Replace ``model``'s parameters and buffers, in place, by CPU tensors of the active fake
+    mode: same shapes and dtypes, tied parameters still tied."""
+    fakes: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in fakes:
+                    fake = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+                    fakes[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
+                module._parameters[name] = fakes[id(p)]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device="cpu")
+
+
+def _default_batch(model: nn.Module) -> BatchBuilder:
+    from fsdp_guide.models import MLP, TinyTransformer
+
+    if isinstance(model, TinyTransformer):
+        longest = model.config.seq_len
+
+        def tokens(batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
+            if seq_len > longest:
+                raise PlanError(
+                    f"seq_len={seq_len} is longer than the model's position embedding "
+                    f"({longest}); build the model with TransformerConfig(seq_len={seq_len})"
+                )
+            ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+            return ids, ids.clone()
+
+        return tokens
+    if isinstance(model, MLP):
+        linears = [m for m in model.net if isinstance(m, nn.Linear)]
+        return lambda b, _t: (
+            torch.zeros(b, linears[0].in_features),
+            torch.zeros(b, linears[-1].out_features),
+        )
+    raise PlanError(
+        f"no example batch known for {type(model).__name__}; pass batch=fn(batch_size, seq_len) "
+        "returning (inputs, targets)"
+    )
+
+
+def _checkpoint(model: nn.Module, checkpointing: Checkpointing) -> None:
+    from fsdp_guide.models import Block
+    from fsdp_guide.wrap._activations import checkpoint_layers
+
+    layers = Block if checkpointing == "blocks" else checkpointing
+    if not isinstance(layers, type) or not issubclass(layers, nn.Module):
+        raise PlanError(
+            f"activation_checkpointing must be None, 'blocks' or a Module class, "
+            f"got {checkpointing!r}"
+        )
+    try:
+        checkpoint_layers(model, layers)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+
+
+def traced_activation_bytes(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    *,
+    precision: Precision = "fp32",
+    activation_checkpointing: Checkpointing = None,
+    batch: BatchBuilder | None = None,
+) -> int:
+    """Bytes autograd saves for backward in one forward and loss, traced on fake tensors.
+
+    Args:
+        model: The model, real or on the meta device; it is not changed.
+        batch_size: Samples in this rank's batch.
+        seq_len: Tokens per sample (ignored by models without sequences, such as the MLP).
+        precision: ``"mixed"`` traces under bfloat16 autocast.
+        activation_checkpointing: ``None``, ``"blocks"`` or a layer class to checkpoint.
+        batch: Builds ``(inputs, targets)``; known for the demo models.
+
+    Returns:
+        What :func:`fsdp_guide.wrap.saved_activation_bytes` counts on a real forward.
+
+    Raises:
+        PlanError: For a model with no known batch, a sequence longer than the model takes,
+            or sizes that overflow.
+
+    Examples:
+        >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
+        >>> model = TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2))
+        >>> traced_activation_bytes(model, 2, 32) > traced_activation_bytes(
+        ...     model, 2, 32, activation_checkpointing="blocks")
+        True
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_guide.models import loss_fn
+    from fsdp_guide.wrap._activations import saved_activation_bytes
+
+    traced = _meta_copy(model)  # checkpointing and faking change it: never the caller's
+    make_batch = batch or _default_batch(traced)
+    if activation_checkpointing is not None:
+        _checkpoint(traced, activation_checkpointing)
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if precision == "mixed" else nullcontext()
+    )
+    with FakeTensorMode():
+        _to_fake(traced)
+        inputs = make_batch(batch_size, seq_len)
+        with autocast:
+            try:
+                nbytes, _ = saved_activation_bytes(traced, lambda: loss_fn(traced, inputs))
+            except RuntimeError as exc:  # shapes past int64, and the like
+                raise PlanError(f"cannot trace the forward pass: {exc}") from exc
+    return nbytes
+
+
+def unit_params(model: nn.Module) -> tuple[int, int]:
+    """(largest unit, root unit) parameters when each element of a ``ModuleList`` is a unit.
+
+    That is how FSDP is wrapped for large models (a unit per transformer block); the root
+    unit holds every parameter outside the blocks (embeddings, final norm, head).
+
+    Examples:
+        >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
+        >>> unit_params(TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2)))
+        (17472, 17472)
+    """
+    units: list[nn.Module] = [
+        layer for m in model.modules() if isinstance(m, nn.ModuleList) for layer in m
+    ]
+    inside = {id(p) for unit in units for p in unit.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
+    largest = max([root, *(sum(p.numel() for p in unit.parameters()) for unit in units)])
+    return largest, root
+
+
+def plan(
+    model_or_builder: ModelSource,
+    *,
+    batch_size: int,
+    seq_len: int,
+    world_size: int,
+    strategy: str,
+    precision: Precision = "fp32",
+    activation_checkpointing: Checkpointing = None,
+    cpu_offload: bool = False,
+    batch: BatchBuilder | None = None,
+) -> Plan:
+    """Plan the bytes one rank holds in a training step (Adam), without allocating the model.
+
+    Args:
+        model_or_builder: A model, or a function that builds one; a function is called under
+            ``torch.device("meta")``, so even 70B parameters take no memory.
+        batch_size: Samples per rank.
+        seq_len: Tokens per sample.
+        world_size: Ranks.
+        strategy: Any name of :data:`fsdp_guide.catalog.STRATEGIES`.
+        precision: ``"fp32"`` or ``"mixed"`` (bf16 compute, fp32 master weights).
+        activation_checkpointing: ``None``, ``"blocks"`` (each ``Block``) or a layer class.
+        cpu_offload: Keep the model state in CPU memory (fully sharded strategies only).
+        batch: Builds ``(inputs, targets)`` of a batch; known for the demo models.
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        PlanError: Unknown strategy, bad sizes, a failing builder, CPU offload with a
+            strategy that does not shard parameters.
+
+    Examples:
+        >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
+        >>> cfg = TransformerConfig(n_layers=2, dim=32, n_heads=2)
+        >>> p = plan(lambda: TinyTransformer(cfg), batch_size=4, seq_len=32, world_size=2,
+        ...          strategy="fsdp2")
+        >>> p.state == get_strategy("fsdp2").predict(p.num_params, 2)
+        True
+        >>> plan(lambda: TinyTransformer(cfg), batch_size=4, seq_len=32, world_size=2,
+        ...      strategy="zero4")
+        Traceback (most recent call last):
+        ...
+        fsdp_guide.errors.PlanError: unknown strategy 'zero4'; choose from ddp, zero1, oss, ...
+    """
+    try:
+        spec = get_strategy(strategy)
+        check_world_size(world_size)
+        per = bytes_per_param(precision, "adam")
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+    _check_count("batch_size", batch_size)
+    _check_count("seq_len", seq_len)
+    if batch_size * seq_len > _INT64_MAX:
+        raise PlanError(f"batch_size * seq_len = {batch_size * seq_len} overflows int64")
+    if cpu_offload and spec.stage_at_step < 3:
+        raise PlanError(
+            f"cpu_offload needs a fully sharded strategy (fsdp, fsdp2, ...), not {spec.name!r}"
+        )
+    model = _build(model_or_builder)
+    num_params = sum(p.numel() for p in model.parameters())
+    if num_params == 0:
+        raise PlanError(f"{type(model).__name__} has no parameters to train")
+    group = spec.shard_group_size(world_size)
+    state = estimate_model_state(
+        num_params, group, spec.stage_at_step, precision, "adam", full_grads=spec.full_grads
+    )
+    activations = traced_activation_bytes(
+        model,
+        batch_size,
+        seq_len,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        batch=batch,
+    )
+    largest, root = unit_params(model)
+    transient, kind = _transient(spec.name, spec.stage_at_step, per.params + per.grads, largest)
+    if kind == "ddp":
+        transient = min(_DDP_BUCKET_BYTES, state.grads)
+        kind = "gradient bucket (DDP's 25 MiB cap)"
+    dtype = "bf16" if precision == "mixed" else "fp32"
+    comm = predict_communication(spec.name, num_params, world_size, dtype, root)
+    return Plan(
+        spec.name,
+        world_size,
+        num_params,
+        precision,
+        state,
+        activations,
+        transient,
+        kind,
+        comm,
+        cpu_offload,
+    )
+
+
+def _transient(name: str, stage_at_step: int, unit_bytes: int, largest: int) -> tuple[int, str]:
+    if stage_at_step >= 3:
+        return math.prod((unit_bytes, largest)), "largest gathered unit (params + grads)"
+    if name in ("ddp", "zero1", "oss"):
+        return 0, "ddp"
+    return 0, "none beyond the state"
