@@ -248,12 +248,12 @@ def traced_activation_bytes(
     )
     with FakeTensorMode():
         _to_fake(traced)
-        inputs = make_batch(batch_size, seq_len)
-        with autocast:
-            try:
+        try:
+            inputs = make_batch(batch_size, seq_len)
+            with autocast:
                 nbytes, _ = saved_activation_bytes(traced, lambda: loss_fn(traced, inputs))
-            except RuntimeError as exc:  # shapes past int64, and the like
-                raise PlanError(f"cannot trace the forward pass: {exc}") from exc
+        except RuntimeError as exc:  # sizes past int64, and the like
+            raise PlanError(f"cannot trace the forward pass: {exc}") from exc
     return nbytes
 
 
