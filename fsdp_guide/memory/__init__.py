@@ -53,7 +53,7 @@ from fsdp_guide.memory._comm import (
 )
 from fsdp_guide.memory._comm_zero import CommPrediction, predict_communication, root_unit_params
 from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
-from fsdp_guide.memory._plan import Plan, plan, traced_activation_bytes
+from fsdp_guide.memory._plan import Plan, plan
 from fsdp_guide.memory._report import (
     ComparisonRow,
     communication_table,
@@ -62,6 +62,7 @@ from fsdp_guide.memory._report import (
     rows_as_json,
 )
 from fsdp_guide.memory._state import ModelState
+from fsdp_guide.memory._trace import traced_activation_bytes
 from fsdp_guide.memory._zero import (
     BytesPerParam,
     bytes_per_param,

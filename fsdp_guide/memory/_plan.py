@@ -9,37 +9,37 @@ storages but no data, and :func:`fsdp_guide.wrap.saved_activation_bytes` counts 
 autograd keeps, each storage once, as it does on real tensors. So a 70B-parameter model is
 planned in seconds on a laptop.
 
-The activations are those of the CPU kernels that fake tensors dispatch to (the math
-attention, say); CUDA's fused attention saves less. Buffers, the CUDA caching allocator's
-fragmentation and the framework's own workspace come on top.
+The activations are those of the CPU kernels that fake tensors dispatch to (CPU flash
+attention for ``scaled_dot_product_attention``); CUDA kernels may save other tensors.
+Buffers, the CUDA caching allocator's fragmentation and the framework's own workspace come
+on top. Inputs count as storages of their own, as a data loader gives them.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Literal
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from fsdp_guide.catalog._table import get_strategy
 from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher._checks import check_world_size
 from fsdp_guide.memory._comm_zero import CommPrediction, predict_communication
 from fsdp_guide.memory._state import ModelState
-from fsdp_guide.memory._zero import Precision, bytes_per_param, estimate_model_state
-
-#: A model, or a function building one (called under ``torch.device("meta")``).
-ModelSource = nn.Module | Callable[[], nn.Module]
-#: What activation checkpointing to plan for: none, each :class:`~fsdp_guide.models.Block`,
-#: or each module of a class.
-Checkpointing = None | Literal["blocks"] | type[nn.Module]
-#: Builds a ``(inputs, targets)`` batch of ``(batch_size, seq_len)``; run on fake tensors.
-BatchBuilder = Callable[[int, int], tuple[Tensor, Tensor]]
+from fsdp_guide.memory._trace import (
+    BatchBuilder,
+    Checkpointing,
+    ModelSource,
+    build_on_meta,
+    traced_activation_bytes,
+)
+from fsdp_guide.memory._zero import (
+    OptimizerName,
+    Precision,
+    bytes_per_param,
+    estimate_model_state,
+)
 
 # DDP's default bucket_cap_mb: the largest gradient bucket all-reduced at once.
 _DDP_BUCKET_BYTES = 25 * 1024 * 1024
@@ -116,147 +116,6 @@ def _check_count(name: str, value: object) -> int:
     return value
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` on the meta device, without copying a byte of its data."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = b.detach().to("meta")
-    return copy.deepcopy(model, memo)
-
-
-def _build(source: ModelSource) -> nn.Module:
-    if isinstance(source, nn.Module):
-        return _meta_copy(source)
-    if not callable(source):
-        raise PlanError(f"model must be an nn.Module or a function building one, got {source!r}")
-    try:
-        with torch.device("meta"):
-            model = source()
-    except Exception as exc:  # the caller's code: say which builder failed and why
-        raise PlanError(f"the model builder raised {type(exc).__name__}: {exc}") from exc
-    if not isinstance(model, nn.Module):
-        raise PlanError(f"the model builder returned {type(model).__name__}, not an nn.Module")
-    return model
-
-
-def _to_fake(model: nn.Module) -> None:
-    """Replace ``model``'s parameters and buffers, in place, by CPU tensors of the active fake
-    mode: same shapes and dtypes, tied parameters still tied."""
-    fakes: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                if id(p) not in fakes:
-                    fake = torch.empty(p.shape, dtype=p.dtype, device="cpu")
-                    fakes[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
-                module._parameters[name] = fakes[id(p)]
-        for name, b in module._buffers.items():
-            if b is not None:
-                module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device="cpu")
-
-
-def _default_batch(model: nn.Module) -> BatchBuilder:
-    from fsdp_guide.models import MLP, TinyTransformer
-
-    if isinstance(model, TinyTransformer):
-        longest = model.config.seq_len
-
-        def tokens(batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
-            if seq_len > longest:
-                raise PlanError(
-                    f"seq_len={seq_len} is longer than the model's position embedding "
-                    f"({longest}); build the model with TransformerConfig(seq_len={seq_len})"
-                )
-            ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
-            return ids, ids.clone()
-
-        return tokens
-    if isinstance(model, MLP):
-        linears = [m for m in model.net if isinstance(m, nn.Linear)]
-        return lambda b, _t: (
-            torch.zeros(b, linears[0].in_features),
-            torch.zeros(b, linears[-1].out_features),
-        )
-    raise PlanError(
-        f"no example batch known for {type(model).__name__}; pass batch=fn(batch_size, seq_len) "
-        "returning (inputs, targets)"
-    )
-
-
-def _checkpoint(model: nn.Module, checkpointing: Checkpointing) -> None:
-    from fsdp_guide.models import Block
-    from fsdp_guide.wrap._activations import checkpoint_layers
-
-    layers = Block if checkpointing == "blocks" else checkpointing
-    if not isinstance(layers, type) or not issubclass(layers, nn.Module):
-        raise PlanError(
-            f"activation_checkpointing must be None, 'blocks' or a Module class, "
-            f"got {checkpointing!r}"
-        )
-    try:
-        checkpoint_layers(model, layers)
-    except ValueError as exc:
-        raise PlanError(str(exc)) from exc
-
-
-def traced_activation_bytes(
-    model: nn.Module,
-    batch_size: int,
-    seq_len: int,
-    *,
-    precision: Precision = "fp32",
-    activation_checkpointing: Checkpointing = None,
-    batch: BatchBuilder | None = None,
-) -> int:
-    """Bytes autograd saves for backward in one forward and loss, traced on fake tensors.
-
-    Args:
-        model: The model, real or on the meta device; it is not changed.
-        batch_size: Samples in this rank's batch.
-        seq_len: Tokens per sample (ignored by models without sequences, such as the MLP).
-        precision: ``"mixed"`` traces under bfloat16 autocast.
-        activation_checkpointing: ``None``, ``"blocks"`` or a layer class to checkpoint.
-        batch: Builds ``(inputs, targets)``; known for the demo models.
-
-    Returns:
-        What :func:`fsdp_guide.wrap.saved_activation_bytes` counts on a real forward.
-
-    Raises:
-        PlanError: For a model with no known batch, a sequence longer than the model takes,
-            or sizes that overflow.
-
-    Examples:
-        >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
-        >>> model = TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2))
-        >>> traced_activation_bytes(model, 2, 32) > traced_activation_bytes(
-        ...     model, 2, 32, activation_checkpointing="blocks")
-        True
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fsdp_guide.models import loss_fn
-    from fsdp_guide.wrap._activations import saved_activation_bytes
-
-    traced = _meta_copy(model)  # checkpointing and faking change it: never the caller's
-    make_batch = batch or _default_batch(traced)
-    if activation_checkpointing is not None:
-        _checkpoint(traced, activation_checkpointing)
-    autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16) if precision == "mixed" else nullcontext()
-    )
-    with FakeTensorMode():
-        _to_fake(traced)
-        try:
-            inputs = make_batch(batch_size, seq_len)
-            with autocast:
-                nbytes, _ = saved_activation_bytes(traced, lambda: loss_fn(traced, inputs))
-        except RuntimeError as exc:  # sizes past int64, and the like
-            raise PlanError(f"cannot trace the forward pass: {exc}") from exc
-    return nbytes
-
-
 def unit_params(model: nn.Module) -> tuple[int, int]:
     """(largest unit, root unit) parameters when each element of a ``ModuleList`` is a unit.
 
@@ -288,8 +147,9 @@ def plan(
     activation_checkpointing: Checkpointing = None,
     cpu_offload: bool = False,
     batch: BatchBuilder | None = None,
+    optimizer: OptimizerName = "adam",
 ) -> Plan:
-    """Plan the bytes one rank holds in a training step (Adam), without allocating the model.
+    """Plan the bytes one rank holds in a training step, without allocating the model.
 
     Args:
         model_or_builder: A model, or a function that builds one; a function is called under
@@ -302,6 +162,7 @@ def plan(
         activation_checkpointing: ``None``, ``"blocks"`` (each ``Block``) or a layer class.
         cpu_offload: Keep the model state in CPU memory (fully sharded strategies only).
         batch: Builds ``(inputs, targets)`` of a batch; known for the demo models.
+        optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
 
     Returns:
         A :class:`Plan`.
@@ -326,7 +187,7 @@ def plan(
     try:
         spec = get_strategy(strategy)
         check_world_size(world_size)
-        per = bytes_per_param(precision, "adam")
+        per = bytes_per_param(precision, optimizer)
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
     _check_count("batch_size", batch_size)
@@ -337,13 +198,13 @@ def plan(
         raise PlanError(
             f"cpu_offload needs a fully sharded strategy (fsdp, fsdp2, ...), not {spec.name!r}"
         )
-    model = _build(model_or_builder)
+    model = build_on_meta(model_or_builder)
     num_params = sum(p.numel() for p in model.parameters())
     if num_params == 0:
         raise PlanError(f"{type(model).__name__} has no parameters to train")
     group = spec.shard_group_size(world_size)
     state = estimate_model_state(
-        num_params, group, spec.stage_at_step, precision, "adam", full_grads=spec.full_grads
+        num_params, group, spec.stage_at_step, precision, optimizer, full_grads=spec.full_grads
     )
     activations = traced_activation_bytes(
         model,
