@@ -141,6 +141,14 @@ def test_fsdp_transient_is_the_largest_unit_and_ddp_a_bucket() -> None:
     assert ddp.transient == ddp.state.grads  # under DDP's 25 MiB cap
 
 
+def test_activations_given_skip_the_trace() -> None:
+    model = build_model("transformer")
+    traced = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="fsdp")
+    given = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="fsdp",
+                 activations=traced.activations)  # fmt: skip
+    assert given == traced
+
+
 def test_cpu_offload_takes_the_state_off_the_device() -> None:
     got = plan(build_model("mlp"), batch_size=4, seq_len=1, world_size=2, strategy="fsdp2",
                cpu_offload=True)  # fmt: skip
@@ -199,6 +207,7 @@ def test_plan_matches_a_real_step_on_two_ranks(
         ({"seq_len": 33}, "longer than the model's position embedding"),
         ({"cpu_offload": True, "strategy": "ddp"}, "cpu_offload needs a fully sharded"),
         ({"activation_checkpointing": "layers"}, "activation_checkpointing must be"),
+        ({"activations": -1}, "activations must be an int >= 0 bytes"),
         ({"activation_checkpointing": TinyTransformer}, "root module"),
         ({"activation_checkpointing": nn.Conv2d}, "no module of TinyTransformer matches"),
     ],

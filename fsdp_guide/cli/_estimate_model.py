@@ -64,7 +64,7 @@ def run_model(args: argparse.Namespace) -> int:
     from fsdp_guide.catalog import STRATEGIES
     from fsdp_guide.errors import PlanError
     from fsdp_guide.memory._plan import Plan, plan
-    from fsdp_guide.memory._trace import build_on_meta
+    from fsdp_guide.memory._trace import build_on_meta, traced_activation_bytes
 
     builder = load_builder(args.model, dict(args.model_arg or []))
     checkpointing = _checkpointing(args.activation_checkpointing)
@@ -74,6 +74,14 @@ def run_model(args: argparse.Namespace) -> int:
         model = build_on_meta(builder)
         config = getattr(model, "config", None)
         seq_len = args.seq_len or getattr(config, "seq_len", 1)
+        # One trace serves every strategy: the activations per rank do not depend on it.
+        activations = traced_activation_bytes(
+            model,
+            args.batch_size,
+            seq_len,
+            precision=args.precision,
+            activation_checkpointing=checkpointing,
+        )
         for name in names:
             plans.append(
                 plan(
@@ -85,6 +93,7 @@ def run_model(args: argparse.Namespace) -> int:
                     precision=args.precision,
                     activation_checkpointing=checkpointing,
                     optimizer=args.optimizer,
+                    activations=activations,
                 )
             )
     except PlanError as exc:

@@ -32,6 +32,7 @@ from fsdp_guide.memory._trace import (
     Checkpointing,
     ModelSource,
     build_on_meta,
+    check_sizes,
     traced_activation_bytes,
 )
 from fsdp_guide.memory._zero import (
@@ -43,7 +44,6 @@ from fsdp_guide.memory._zero import (
 
 # DDP's default bucket_cap_mb: the largest gradient bucket all-reduced at once.
 _DDP_BUCKET_BYTES = 25 * 1024 * 1024
-_INT64_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -110,12 +110,6 @@ class Plan:
         }
 
 
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
-
-
 def unit_params(model: nn.Module) -> tuple[int, int]:
     """(largest unit, root unit) parameters when each element of a ``ModuleList`` is a unit.
 
@@ -148,6 +142,7 @@ def plan(
     cpu_offload: bool = False,
     batch: BatchBuilder | None = None,
     optimizer: OptimizerName = "adam",
+    activations: int | None = None,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -163,6 +158,9 @@ def plan(
         cpu_offload: Keep the model state in CPU memory (fully sharded strategies only).
         batch: Builds ``(inputs, targets)`` of a batch; known for the demo models.
         optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
+        activations: Bytes already traced by :func:`traced_activation_bytes` for this model,
+            batch, precision and checkpointing: the trace is skipped (planning one model
+            for many strategies traces it once).
 
     Returns:
         A :class:`Plan`.
@@ -190,10 +188,7 @@ def plan(
         per = bytes_per_param(precision, optimizer)
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
-    _check_count("batch_size", batch_size)
-    _check_count("seq_len", seq_len)
-    if batch_size * seq_len > _INT64_MAX:
-        raise PlanError(f"batch_size * seq_len = {batch_size * seq_len} overflows int64")
+    check_sizes(batch_size, seq_len)
     if cpu_offload and spec.stage_at_step < 3:
         raise PlanError(
             f"cpu_offload needs a fully sharded strategy (fsdp, fsdp2, ...), not {spec.name!r}"
@@ -206,14 +201,18 @@ def plan(
     state = estimate_model_state(
         num_params, group, spec.stage_at_step, precision, optimizer, full_grads=spec.full_grads
     )
-    activations = traced_activation_bytes(
-        model,
-        batch_size,
-        seq_len,
-        precision=precision,
-        activation_checkpointing=activation_checkpointing,
-        batch=batch,
-    )
+    if activations is not None:
+        if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
+            raise PlanError(f"activations must be an int >= 0 bytes, got {activations!r}")
+    else:
+        activations = traced_activation_bytes(
+            model,
+            batch_size,
+            seq_len,
+            precision=precision,
+            activation_checkpointing=activation_checkpointing,
+            batch=batch,
+        )
     largest, root = unit_params(model)
     transient, kind = _transient(spec.name, spec.stage_at_step, per.params + per.grads, largest)
     if kind == "ddp":

@@ -28,6 +28,29 @@ Checkpointing = None | Literal["blocks"] | type[nn.Module]
 BatchBuilder = Callable[[int, int], tuple[Tensor, Tensor]]
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def check_sizes(batch_size: object, seq_len: object) -> None:
+    """Refuse sizes that are not counts, or whose product overflows a tensor's int64 size.
+
+    Raises:
+        PlanError: Naming the bad size.
+
+    Examples:
+        >>> check_sizes(2**40, 2**40)
+        Traceback (most recent call last):
+        ...
+        fsdp_guide.errors.PlanError: batch_size * seq_len = 1208925819614629174706176 overflows ...
+    """
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name} must be an integer >= 1, got {value!r}")
+    product = batch_size * seq_len  # type: ignore[operator]
+    if product > _INT64_MAX:
+        raise PlanError(f"batch_size * seq_len = {product} overflows int64")
+
+
 def _meta_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` on the meta device, without copying a byte of its data."""
     memo: dict[int, Any] = {}
@@ -160,6 +183,7 @@ def traced_activation_bytes(
     from fsdp_guide.models import loss_fn
     from fsdp_guide.wrap._activations import saved_activation_bytes
 
+    check_sizes(batch_size, seq_len)
     traced = _meta_copy(model)  # checkpointing and faking change it: never the caller's
     make_batch = batch or _default_batch(traced)
     if activation_checkpointing is not None:
