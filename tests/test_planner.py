@@ -137,6 +137,8 @@ def test_fsdp_transient_is_the_largest_unit_and_ddp_a_bucket() -> None:
     fsdp = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="fsdp")
     assert fsdp.transient == 8 * max(block, root)
     assert fsdp.communication.payload["all_gather"] == 2 * fsdp.num_params - root
+    grad_op = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="fsdp_grad_op")
+    assert grad_op.transient == 4 * grad_op.num_params + 4 * max(block, root)
     ddp = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="ddp")
     assert ddp.transient == ddp.state.grads  # under DDP's 25 MiB cap
 

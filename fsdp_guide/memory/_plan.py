@@ -17,12 +17,11 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from torch import nn
 
-from fsdp_guide.catalog._table import get_strategy
+from fsdp_guide.catalog._table import StrategySpec, get_strategy
 from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher._checks import check_world_size
 from fsdp_guide.memory._comm_zero import CommPrediction, predict_communication
@@ -77,12 +76,12 @@ class Plan:
 
     @property
     def device_state(self) -> int:
-        """Bytes of model state on the accelerator: none of it with CPU offload."""
+        """Bytes of model state on the accelerator, none of it with CPU offload."""
         return 0 if self.cpu_offload else self.state.total
 
     @property
     def total(self) -> int:
-        """Peak bytes on the accelerator: model state, activations and the transient buffer."""
+        """Peak bytes on the accelerator, model state plus activations plus the transient buffer."""
         return self.device_state + self.activations + self.transient
 
     def as_dict(self) -> dict[str, int | str | bool]:
@@ -214,7 +213,7 @@ def plan(
             batch=batch,
         )
     largest, root = unit_params(model)
-    transient, kind = _transient(spec.name, spec.stage_at_step, per.params + per.grads, largest)
+    transient, kind = _transient(spec, per.params, per.grads, num_params, largest)
     if kind == "ddp":
         transient = min(_DDP_BUCKET_BYTES, state.grads)
         kind = "gradient bucket (DDP's 25 MiB cap)"
@@ -234,9 +233,16 @@ def plan(
     )
 
 
-def _transient(name: str, stage_at_step: int, unit_bytes: int, largest: int) -> tuple[int, str]:
-    if stage_at_step >= 3:
-        return math.prod((unit_bytes, largest)), "largest gathered unit (params + grads)"
-    if name in ("ddp", "zero1", "oss"):
+def _transient(
+    spec: StrategySpec, param_bytes: int, grad_bytes: int, num_params: int, largest: int
+) -> tuple[int, str]:
+    """The largest short-lived buffer, beyond this rank's shard of the state."""
+    if spec.stage_at_step >= 3 and spec.zero_stage == 2:
+        # SHARD_GRAD_OP keeps every unit gathered from its forward until backward ends.
+        gathered = param_bytes * num_params + grad_bytes * largest
+        return gathered, "all parameters gathered (forward to backward) + a unit's grads"
+    if spec.stage_at_step >= 3:
+        return (param_bytes + grad_bytes) * largest, "largest gathered unit (params + grads)"
+    if spec.name in ("ddp", "zero1", "oss"):
         return 0, "ddp"
     return 0, "none beyond the state"
