@@ -345,6 +345,19 @@ def render_cli_help(parser: Any) -> str:
 CLI_EXAMPLES: tuple[tuple[str, ...], ...] = (
     ("estimate", "--params", "7e9", "--world-size", "8", "--gpu-memory", "80GB"),
     ("estimate", "--params", "70B", "--world-size", "64", "--precision", "mixed"),
+    (
+        "estimate",
+        "--model",
+        "fsdp_guide.models:TinyTransformer",
+        "--batch-size",
+        "8",
+        "--world-size",
+        "2",
+        "--strategy",
+        "ddp,zero1,fsdp_grad_op,fsdp,fsdp2",
+        "--gpu-memory",
+        "18MB",
+    ),
 )
 
 
