@@ -17,6 +17,7 @@ __all__ = [
     "LaunchError",
     "LaunchTimeout",
     "OptimizerMismatchError",
+    "PlanError",
     "RankError",
 ]
 
@@ -120,6 +121,15 @@ class OptimizerMismatchError(ValueError):
 
 class EngineUnavailableError(RuntimeError):
     """The engine cannot run on this machine (FairScale's FSDP without CUDA)."""
+
+
+class PlanError(ValueError):
+    """A training run cannot be planned as asked (:func:`fsdp_guide.memory.plan`).
+
+    Examples:
+        >>> isinstance(PlanError("unknown strategy 'zero4'"), ValueError)
+        True
+    """
 
 
 class CommandError(Exception):

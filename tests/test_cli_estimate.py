@@ -51,7 +51,7 @@ def test_fp32_sgd(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "the following arguments are required: --params"),
+        ([], "one of the arguments --params --model is required"),
         (["--params", "0"], "argument --params: must be a positive count"),
         (["--params=-7e9"], "argument --params: must be a positive count"),
         (["--params", "lots"], "argument --params: must be a positive count"),

@@ -13,6 +13,8 @@ to the repository appears in the site without editing a list by hand.
 * ``docs/_generated/results/<name>.md``: each ``benchmarks/results/<name>.md``, plus a
   placeholder for every result a guide page includes that is not committed yet, and
   ``docs/_generated/benchmarks.md`` gathering all of them.
+* ``docs/_generated/will_it_fit_table.md``: the planner's table for the guide
+  (``fsdp_fit.py``, cached while the planner's code is unchanged).
 
 Files are only rewritten when their content changes, so incremental builds stay cheap.
 """
@@ -29,6 +31,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
+from fsdp_fit import generate_fit_table
 from fsdp_links import lessons_by_page, lessons_section, with_api_section
 from fsdp_refs import public_home
 
@@ -342,6 +345,19 @@ def render_cli_help(parser: Any) -> str:
 CLI_EXAMPLES: tuple[tuple[str, ...], ...] = (
     ("estimate", "--params", "7e9", "--world-size", "8", "--gpu-memory", "80GB"),
     ("estimate", "--params", "70B", "--world-size", "64", "--precision", "mixed"),
+    (
+        "estimate",
+        "--model",
+        "fsdp_guide.models:TinyTransformer",
+        "--batch-size",
+        "8",
+        "--world-size",
+        "2",
+        "--strategy",
+        "ddp,zero1,fsdp_grad_op,fsdp,fsdp2",
+        "--gpu-memory",
+        "18MB",
+    ),
 )
 
 
@@ -436,6 +452,7 @@ def generate_all(app: Any = None) -> None:
     sync_notebooks(REPO_DIR / "notebooks", DOCS_DIR / "notebooks")
     generate_cli_page(generated / "cli.md")
     generate_result_pages(REPO_DIR / "benchmarks" / "results", generated, DOCS_DIR)
+    generate_fit_table(REPO_DIR, generated / "will_it_fit_table.md")
 
 
 # Written into the output folder by a build that ended without a warning; the site tests

@@ -100,3 +100,85 @@ def strategy_list(text: str) -> list[str]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
     return [spec.name for spec in specs]
+
+
+def catalog_names(text: str) -> list[str]:
+    """A ``type=`` for comma-separated strategy names to plan, CUDA-only ones included.
+
+    Examples:
+        >>> catalog_names("fsdp1,fairscale_fsdp")
+        ['fsdp', 'fairscale_fsdp']
+        >>> catalog_names("zero4")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: unknown strategy 'zero4'; choose from ddp, zero1, oss, ...
+    """
+    from fsdp_guide.catalog import get_strategy
+
+    try:
+        names = [get_strategy(n.strip()).name for n in text.split(",") if n.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if not names or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"name each strategy once, e.g. ddp,fsdp; got {text!r}")
+    return names
+
+
+def import_path(text: str) -> str:
+    """A ``type=`` for ``package.module:name`` (imported when the command runs).
+
+    Examples:
+        >>> import_path("fsdp_guide.models:TinyTransformer")
+        'fsdp_guide.models:TinyTransformer'
+        >>> import_path("TinyTransformer")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: must be package.module:name, got 'TinyTransformer'
+    """
+    module, colon, name = text.partition(":")
+    if not (colon and module and name.isidentifier()):
+        raise argparse.ArgumentTypeError(f"must be package.module:name, got {text!r}")
+    return text
+
+
+def key_value(text: str) -> tuple[str, object]:
+    """A ``type=`` for ``key=value``; the value read as a Python literal, else kept as text.
+
+    Examples:
+        >>> key_value("n_layers=80"), key_value("name=gpt"), key_value("ratio=0.5")
+        (('n_layers', 80), ('name', 'gpt'), ('ratio', 0.5))
+        >>> key_value("80")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: must be key=value, got '80'
+    """
+    import ast
+
+    key, equals, raw = text.partition("=")
+    if not (equals and key.strip().isidentifier()):
+        raise argparse.ArgumentTypeError(f"must be key=value, got {text!r}")
+    try:
+        value: object = ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        value = raw.strip()
+    return key.strip(), value
+
+
+def fraction(text: str) -> float:
+    """A ``type=`` for a share from 0 (included) to 1 (excluded).
+
+    Examples:
+        >>> fraction("0.1")
+        0.1
+        >>> fraction("1")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: must be a number from 0 to below 1, got '1'
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to below 1, got {text!r}")
+    return value

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any, get_args
 
-from fsdp_guide.cli._args import count, int_at_least, positive_size
+from fsdp_guide.cli._args import (
+    catalog_names,
+    count,
+    fraction,
+    import_path,
+    int_at_least,
+    key_value,
+    positive_size,
+)
 from fsdp_guide.memory._zero import OptimizerName, Precision
 
 _SHARDS = ("nothing", "optimizer state", "+ gradients", "+ parameters")
@@ -31,9 +39,40 @@ def add_parser(sub: Any) -> None:
         description="Bytes of parameters, gradients and optimizer state per rank that the "
         "ZeRO formulas predict, for stages 0-3 (activations and buffers not included).",
     )
-    p.add_argument(
-        "--params", type=count, required=True, help="parameter count, e.g. 7e9, 7B, 350M"
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=count, help="parameter count, e.g. 7e9, 7B, 350M")
+    what.add_argument(
+        "--model",
+        type=import_path,
+        help="plan a real model, built by package.module:builder on the meta device "
+        "(activations traced, nothing allocated), e.g. fsdp_guide.models:TinyTransformer",
     )
+    p.add_argument(
+        "--model-arg",
+        type=key_value,
+        action="append",
+        metavar="KEY=VALUE",
+        help="keyword argument of the builder (repeat it)",
+    )
+    p.add_argument("--batch-size", type=int_at_least(1), default=1, help="samples per rank")
+    p.add_argument(
+        "--seq-len", type=int_at_least(1), default=None, help="tokens per sample (model's)"
+    )
+    p.add_argument(
+        "--strategy", type=catalog_names, default=None, help="strategies to plan; default all"
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="blocks",
+        default=None,
+        metavar="LAYER",
+        help="checkpoint each Block, or each module of package.module:Class",
+    )
+    p.add_argument(
+        "--margin", type=fraction, default=0.1, help="share of GPU memory kept free; default 0.1"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per strategy")
     p.add_argument(
         "--world-size", type=int_at_least(1), default=8, help="number of GPUs (ranks); default 8"
     )
@@ -99,6 +138,10 @@ def estimate_table(
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        from fsdp_guide.cli._estimate_model import run_model
+
+        return run_model(args)
     table = estimate_table(
         args.params, args.world_size, args.precision, args.optimizer, args.gpu_memory
     )

@@ -9,6 +9,10 @@ elements and bytes per kind, and whether the count is complete);
 :func:`predict_communication` gives the ZeRO paper's volume per step and the payload each
 strategy issues, in the same units, so they compare like memory does.
 
+**Planning.** :func:`plan` adds what a rank holds at its peak, without allocating the model:
+the model state, the activations saved for backward (traced on fake tensors), the largest
+transient buffer and the communication per step, in a :class:`Plan`.
+
 **When to measure.** Call :func:`measure_model_state` **after** ``optimizer.step()`` and **before**
 ``optimizer.zero_grad()``. At that point every kind of state exists at once: the
 gradients of the step are still there and the optimizer state has been created. What is
@@ -49,6 +53,7 @@ from fsdp_guide.memory._comm import (
 )
 from fsdp_guide.memory._comm_zero import CommPrediction, predict_communication, root_unit_params
 from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
+from fsdp_guide.memory._plan import Plan, plan
 from fsdp_guide.memory._report import (
     ComparisonRow,
     communication_table,
@@ -57,6 +62,7 @@ from fsdp_guide.memory._report import (
     rows_as_json,
 )
 from fsdp_guide.memory._state import ModelState
+from fsdp_guide.memory._trace import traced_activation_bytes
 from fsdp_guide.memory._zero import (
     BytesPerParam,
     bytes_per_param,
@@ -76,6 +82,7 @@ __all__ = [
     "ComparisonRow",
     "ModelState",
     "PeakMemory",
+    "Plan",
     "bytes_per_param",
     "communication_table",
     "comparison_table",
@@ -85,9 +92,11 @@ __all__ = [
     "measure_model_state",
     "parse_size",
     "peak_memory",
+    "plan",
     "plot_comparison",
     "predict_communication",
     "resolve_stage",
     "root_unit_params",
     "rows_as_json",
+    "traced_activation_bytes",
 ]

@@ -180,6 +180,15 @@ def _live_storage(tensor: Tensor | None) -> torch.UntypedStorage | None:
     return storage if storage.nbytes() else None
 
 
+def _storage_key(storage: torch.UntypedStorage) -> int:
+    """What tells live storages apart: the address; for meta storages (fake tensors too),
+    which all sit at address 0, the storage object, which a view shares and a new tensor not.
+    """
+    if storage.device.type == "meta":
+        return int(storage._cdata)
+    return int(storage.data_ptr())
+
+
 def _parameter_storages(model: nn.Module) -> set[int]:
     """Addresses of the live storages that hold ``model``'s parameters, sharded or gathered."""
     tensors: list[Tensor | None] = []
@@ -192,7 +201,7 @@ def _parameter_storages(model: nn.Module) -> set[int]:
             # Its shards and gathered copies; gradient buffers are never saved for backward.
             tensors.extend(getattr(parameter, name, None) for name in PARAM_BUFFERS)
     storages = (_live_storage(tensor) for tensor in tensors)
-    return {storage.data_ptr() for storage in storages if storage is not None}
+    return {_storage_key(storage) for storage in storages if storage is not None}
 
 
 def saved_activation_bytes(model: nn.Module, forward: Callable[[], Tensor]) -> tuple[int, Tensor]:
@@ -242,6 +251,7 @@ def saved_activation_bytes(model: nn.Module, forward: Callable[[], Tensor]) -> t
     held: dict[int, int] = {}
     for reference in saved:
         storage = _live_storage(reference())
-        if storage is not None and storage.data_ptr() not in parameter_storages:
-            held[storage.data_ptr()] = storage.nbytes()
+        key = None if storage is None else _storage_key(storage)
+        if storage is not None and key is not None and key not in parameter_storages:
+            held[key] = storage.nbytes()
     return sum(held.values()), out

@@ -1,0 +1,91 @@
+"""The "will it fit" table of the guide, planned at build time with ``fsdp_guide.memory.plan``.
+
+The demo transformer is scaled to GPT-2, 1B, 7B and 70B dimensions and planned on 8 and 64
+GPUs, without allocating a byte of it (meta device and fake tensors). Planning takes a few
+seconds, so the table is cached in ``docs/_generated/``, keyed by a hash of the code that
+computes it: a build after a change to the planner or the models plans again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+# (name, TransformerConfig fields): GPT-2 small, and the widths/depths of 1B, 7B, 70B models.
+SCALES: tuple[tuple[str, dict[str, int]], ...] = (
+    ("GPT-2", {"vocab_size": 50257, "dim": 768, "n_heads": 12, "n_layers": 12, "seq_len": 1024}),
+    ("1B", {"vocab_size": 32000, "dim": 2048, "n_heads": 16, "n_layers": 22, "seq_len": 2048}),
+    ("7B", {"vocab_size": 32000, "dim": 4096, "n_heads": 32, "n_layers": 32, "seq_len": 4096}),
+    ("70B", {"vocab_size": 32000, "dim": 8192, "n_heads": 64, "n_layers": 86, "seq_len": 4096}),
+)
+WORLD_SIZES = (8, 64)
+GPU_BYTES = 80 * 10**9
+MARGIN = 0.1
+STRATEGIES = ("ddp", "zero1", "sharded_ddp", "fsdp_grad_op", "fsdp")
+# What the table depends on: a change to any of these plans it again.
+_SOURCES = (
+    "fsdp_guide/memory/_plan.py",
+    "fsdp_guide/memory/_trace.py",
+    "fsdp_guide/memory/_zero.py",
+    "fsdp_guide/memory/_comm_zero.py",
+    "fsdp_guide/catalog/_table.py",
+    "fsdp_guide/models.py",
+    "fsdp_guide/wrap/_activations.py",
+)
+
+
+def _key(repo: Path) -> str:
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    for name in _SOURCES:
+        digest.update((repo / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def fit_table() -> str:
+    """The Markdown table: GB per GPU of each strategy, and the recommended one."""
+    import torch
+
+    from fsdp_guide.memory import plan, traced_activation_bytes
+    from fsdp_guide.models import TinyTransformer, TransformerConfig
+
+    header = ["model", "parameters", "GPUs", "activations", *STRATEGIES, "recommended"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for name, fields in SCALES:
+        cfg = TransformerConfig(**fields)
+        with torch.device("meta"):
+            model = TinyTransformer(cfg)
+        saved = traced_activation_bytes(
+            model, 1, cfg.seq_len, precision="mixed", activation_checkpointing="blocks"
+        )
+        for world_size in WORLD_SIZES:
+            plans = [
+                plan(
+                    model,
+                    batch_size=1,
+                    seq_len=cfg.seq_len,
+                    world_size=world_size,
+                    strategy=s,
+                    precision="mixed",
+                    activation_checkpointing="blocks",
+                    activations=saved,
+                )
+                for s in STRATEGIES
+            ]
+            fits = [p for p in plans if p.total <= GPU_BYTES * (1 - MARGIN)]
+            best = min(fits, key=lambda p: (p.communication.payload_bytes, p.total), default=None)
+            cells = [name, f"{plans[0].num_params / 1e9:.2f}B", str(world_size)]
+            cells.append(f"{saved / 1e9:.1f}")
+            cells += [f"{p.total / 1e9:.1f}" + ("" if p in fits else " ✗") for p in plans]
+            cells.append(f"`{best.strategy}`" if best else "none: more GPUs")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def generate_fit_table(repo: Path, target: Path) -> None:
+    """Write :func:`fit_table` to ``target``, unless the cached one is still current."""
+    key = _key(repo)
+    stamp = f"<!-- fit-table {key} -->\n"
+    if target.exists() and target.read_text(encoding="utf-8").startswith(stamp):
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(stamp + fit_table(), encoding="utf-8")

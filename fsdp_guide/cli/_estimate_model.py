@@ -1,0 +1,167 @@
+"""``estimate --model``: plan a real model per strategy, and say which strategies fit (private)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fsdp_guide.errors import CommandError
+
+
+def load_builder(path: str, kwargs: dict[str, Any]) -> Callable[[], Any]:
+    """A function building the model ``package.module:builder`` with ``kwargs``.
+
+    Raises:
+        CommandError: When the module or the builder cannot be found.
+
+    Examples:
+        >>> load_builder("fsdp_guide.models:MLP", {"depth": 1})().net[0].in_features
+        32
+        >>> load_builder("fsdp_guide.models:Nope", {})
+        Traceback (most recent call last):
+        ...
+        fsdp_guide.errors.CommandError: module fsdp_guide.models has no attribute 'Nope'
+    """
+    module_name, _, attribute = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CommandError(f"cannot import {module_name!r}: {exc}") from exc
+    builder = getattr(module, attribute, None)
+    if not callable(builder):
+        raise CommandError(f"module {module_name} has no attribute {attribute!r}")
+    return lambda: builder(**kwargs)
+
+
+def _checkpointing(value: str | None) -> Any:
+    """``None``, ``"blocks"``, or the Module class that ``package.module:Class`` names."""
+    from torch import nn
+
+    if value is None or value == "blocks":
+        return value
+    module_name, colon, name = value.partition(":")
+    try:
+        layer = getattr(importlib.import_module(module_name), name, None) if colon else None
+    except ImportError as exc:
+        raise CommandError(f"cannot import {module_name!r}: {exc}") from exc
+    if not (isinstance(layer, type) and issubclass(layer, nn.Module)):
+        raise CommandError(
+            f"--activation-checkpointing takes 'blocks' or package.module:Class of a Module, "
+            f"got {value!r}"
+        )
+    return layer
+
+
+def _fits(total: int, gpu_memory: int, margin: float) -> bool:
+    return total <= gpu_memory * (1 - margin)
+
+
+def run_model(args: argparse.Namespace) -> int:
+    """Plan ``args.model`` for each strategy; print a table (or JSON) and a recommendation."""
+    from fsdp_guide.catalog import STRATEGIES
+    from fsdp_guide.errors import PlanError
+    from fsdp_guide.memory._plan import Plan, plan
+    from fsdp_guide.memory._trace import build_on_meta, traced_activation_bytes
+
+    builder = load_builder(args.model, dict(args.model_arg or []))
+    checkpointing = _checkpointing(args.activation_checkpointing)
+    names = args.strategy or list(STRATEGIES)
+    plans: list[Plan] = []
+    try:
+        model = build_on_meta(builder)
+        config = getattr(model, "config", None)
+        seq_len = args.seq_len or getattr(config, "seq_len", 1)
+        # One trace serves every strategy: the activations per rank do not depend on it.
+        activations = traced_activation_bytes(
+            model,
+            args.batch_size,
+            seq_len,
+            precision=args.precision,
+            activation_checkpointing=checkpointing,
+        )
+        for name in names:
+            plans.append(
+                plan(
+                    model,
+                    batch_size=args.batch_size,
+                    seq_len=seq_len,
+                    world_size=args.world_size,
+                    strategy=name,
+                    precision=args.precision,
+                    activation_checkpointing=checkpointing,
+                    optimizer=args.optimizer,
+                    activations=activations,
+                )
+            )
+    except PlanError as exc:
+        raise CommandError(str(exc)) from exc
+    if args.json:
+        rows = []
+        for p in plans:
+            row: dict[str, Any] = p.as_dict()
+            if args.gpu_memory is not None:
+                row["fits"] = _fits(p.total, args.gpu_memory, args.margin)
+            rows.append(row)
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(plan_table(plans, args.gpu_memory, args.margin))
+    return 0
+
+
+def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 0.1) -> str:
+    """One line per strategy, in GB per rank, and the recommendation when a GPU size is given.
+
+    The recommendation is the strategy that fits (within ``gpu_memory`` less the margin)
+    with the least communication per step, then the least memory.
+
+    Examples:
+        >>> from fsdp_guide.memory import plan
+        >>> from fsdp_guide.models import MLP
+        >>> plans = [plan(MLP(), batch_size=8, seq_len=1, world_size=2, strategy=s)
+        ...          for s in ("ddp", "fsdp")]
+        >>> print(plan_table(plans, gpu_memory=2_600_000))
+        142,088 parameters on 2 ranks, fp32 precision; bytes per rank
+        strategy  params   grads    optimizer  activations  transient  total    comm/step  fits
+        ddp       0.57 MB  0.57 MB  1.14 MB    0.03 MB      0.57 MB    2.87 MB  0.57 MB    no
+        fsdp      0.28 MB  0.28 MB  0.57 MB    0.03 MB      1.14 MB    2.30 MB  1.14 MB    yes
+        recommended: fsdp (fits 2.60 MB with 10% margin, least communication)
+    """
+    from fsdp_guide.memory._zero import format_bytes
+
+    largest = max(p.total for p in plans)
+    unit = "GB" if largest >= 1e8 else "MB" if largest >= 1e5 else "KB"
+    header = ["strategy", "params", "grads", "optimizer", "activations", "transient", "total"]
+    header.append("comm/step")
+    if gpu_memory is not None:
+        header.append("fits")
+    rows = [header]
+    for p in plans:
+        state = (0, 0, 0) if p.cpu_offload else (p.state.params, p.state.grads, p.state.optimizer)
+        values = (*state, p.activations, p.transient, p.total, p.communication.payload_bytes)
+        cells = [p.strategy, *(format_bytes(v, unit) for v in values)]
+        if gpu_memory is not None:
+            cells.append("yes" if _fits(p.total, gpu_memory, margin) else "no")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    first = plans[0]
+    title = (
+        f"{first.num_params:,} parameters on {first.world_size} ranks, {first.precision} "
+        "precision; bytes per rank"
+    )
+    out = [title, *lines]
+    if gpu_memory is not None:
+        fitting = [p for p in plans if _fits(p.total, gpu_memory, margin)]
+        size = format_bytes(gpu_memory).replace(".00", "")
+        if fitting:
+            best = min(fitting, key=lambda p: (p.communication.payload_bytes, p.total))
+            out.append(
+                f"recommended: {best.strategy} (fits {size} with {margin:.0%} margin, "
+                "least communication)"
+            )
+        else:
+            out.append(f"recommended: none fits {size} with {margin:.0%} margin; add GPUs")
+    return "\n".join(out)

@@ -1,0 +1,248 @@
+"""Will it fit? Bytes per rank of a training step, planned without allocating the model (private).
+
+:func:`plan` adds up what one rank holds at its peak: the model state of the ZeRO formulas
+(as :meth:`~fsdp_guide.catalog.StrategySpec.predict` gives it), the activations autograd
+saves for backward, the largest transient buffer of the strategy, and the communication per
+step. The activations are not a formula: the model's real forward runs on fake tensors
+(:class:`torch._subclasses.fake_tensor.FakeTensorMode`), which have shapes, dtypes and
+storages but no data, and :func:`fsdp_guide.wrap.saved_activation_bytes` counts what
+autograd keeps, each storage once, as it does on real tensors. So a 70B-parameter model is
+planned in seconds on a laptop.
+
+The activations are those of the CPU kernels that fake tensors dispatch to (CPU flash
+attention for ``scaled_dot_product_attention``); CUDA kernels may save other tensors.
+Buffers, the CUDA caching allocator's fragmentation and the framework's own workspace come
+on top. Inputs count as storages of their own, as a data loader gives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from fsdp_guide.catalog._table import StrategySpec, get_strategy
+from fsdp_guide.errors import PlanError
+from fsdp_guide.launcher._checks import check_world_size
+from fsdp_guide.memory._comm_zero import CommPrediction, predict_communication
+from fsdp_guide.memory._state import ModelState
+from fsdp_guide.memory._trace import (
+    BatchBuilder,
+    Checkpointing,
+    ModelSource,
+    build_on_meta,
+    check_sizes,
+    traced_activation_bytes,
+)
+from fsdp_guide.memory._zero import (
+    OptimizerName,
+    Precision,
+    bytes_per_param,
+    estimate_model_state,
+)
+
+# DDP's default bucket_cap_mb: the largest gradient bucket all-reduced at once.
+_DDP_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one rank holds at its peak in a training step, planned by :func:`plan`.
+
+    Attributes:
+        strategy: The catalog name of the strategy.
+        world_size: Ranks.
+        num_params: Parameters of the model (``Ψ``).
+        precision: ``"fp32"`` or ``"mixed"``.
+        state: Parameters, gradients and optimizer state per rank after ``optimizer.step()``.
+        activations: Bytes autograd saves for backward in this rank's forward.
+        transient: The largest buffer that exists only for a while: FSDP's gathered unit (its
+            parameters and unsharded gradients), DDP's gradient bucket.
+        transient_kind: What ``transient`` is, in words.
+        communication: The communication of one step.
+        cpu_offload: Whether the model state lives in CPU memory (FSDP's ``CPUOffload``).
+    """
+
+    strategy: str
+    world_size: int
+    num_params: int
+    precision: str
+    state: ModelState
+    activations: int
+    transient: int
+    transient_kind: str
+    communication: CommPrediction
+    cpu_offload: bool = False
+
+    @property
+    def device_state(self) -> int:
+        """Bytes of model state on the accelerator, none of it with CPU offload."""
+        return 0 if self.cpu_offload else self.state.total
+
+    @property
+    def total(self) -> int:
+        """Peak bytes on the accelerator, model state plus activations plus the transient buffer."""
+        return self.device_state + self.activations + self.transient
+
+    def as_dict(self) -> dict[str, int | str | bool]:
+        """The plan as JSON-ready values, bytes as integers.
+
+        Examples:
+            >>> from fsdp_guide.models import MLP
+            >>> p = plan(MLP(4, 8, 1, 2), batch_size=2, seq_len=1, world_size=2, strategy="ddp")
+            >>> p.as_dict()["activations"], p.as_dict()["total"] == p.total
+            (128, True)
+        """
+        return {
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "num_params": self.num_params,
+            "precision": self.precision,
+            "cpu_offload": self.cpu_offload,
+            **{k: v for k, v in self.state.as_dict().items() if k != "total"},
+            "model_state": self.state.total,
+            "activations": self.activations,
+            "transient": self.transient,
+            "transient_kind": self.transient_kind,
+            "communication": self.communication.payload_bytes,
+            "total": self.total,
+        }
+
+
+def unit_params(model: nn.Module) -> tuple[int, int]:
+    """(largest unit, root unit) parameters when each element of a ``ModuleList`` is a unit.
+
+    That is how FSDP is wrapped for large models (a unit per transformer block); the root
+    unit holds every parameter outside the blocks (embeddings, final norm, head).
+
+    Examples:
+        >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
+        >>> unit_params(TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2)))
+        (17472, 17472)
+    """
+    units: list[nn.Module] = [
+        layer for m in model.modules() if isinstance(m, nn.ModuleList) for layer in m
+    ]
+    inside = {id(p) for unit in units for p in unit.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
+    largest = max([root, *(sum(p.numel() for p in unit.parameters()) for unit in units)])
+    return largest, root
+
+
+def plan(
+    model_or_builder: ModelSource,
+    *,
+    batch_size: int,
+    seq_len: int,
+    world_size: int,
+    strategy: str,
+    precision: Precision = "fp32",
+    activation_checkpointing: Checkpointing = None,
+    cpu_offload: bool = False,
+    batch: BatchBuilder | None = None,
+    optimizer: OptimizerName = "adam",
+    activations: int | None = None,
+) -> Plan:
+    """Plan the bytes one rank holds in a training step, without allocating the model.
+
+    Args:
+        model_or_builder: A model, or a function that builds one; a function is called under
+            ``torch.device("meta")``, so even 70B parameters take no memory.
+        batch_size: Samples per rank.
+        seq_len: Tokens per sample.
+        world_size: Ranks.
+        strategy: Any name of :data:`fsdp_guide.catalog.STRATEGIES`.
+        precision: ``"fp32"`` or ``"mixed"`` (bf16 compute, fp32 master weights).
+        activation_checkpointing: ``None``, ``"blocks"`` (each ``Block``) or a layer class.
+        cpu_offload: Keep the model state in CPU memory (fully sharded strategies only).
+        batch: Builds ``(inputs, targets)`` of a batch; known for the demo models.
+        optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
+        activations: Bytes already traced by :func:`traced_activation_bytes` for this model,
+            batch, precision and checkpointing: the trace is skipped (planning one model
+            for many strategies traces it once).
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        PlanError: Unknown strategy, bad sizes, a failing builder, CPU offload with a
+            strategy that does not shard parameters.
+
+    Examples:
+        >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
+        >>> cfg = TransformerConfig(n_layers=2, dim=32, n_heads=2)
+        >>> p = plan(lambda: TinyTransformer(cfg), batch_size=4, seq_len=32, world_size=2,
+        ...          strategy="fsdp2")
+        >>> p.state == get_strategy("fsdp2").predict(p.num_params, 2)
+        True
+        >>> plan(lambda: TinyTransformer(cfg), batch_size=4, seq_len=32, world_size=2,
+        ...      strategy="zero4")
+        Traceback (most recent call last):
+        ...
+        fsdp_guide.errors.PlanError: unknown strategy 'zero4'; choose from ddp, zero1, oss, ...
+    """
+    try:
+        spec = get_strategy(strategy)
+        check_world_size(world_size)
+        per = bytes_per_param(precision, optimizer)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+    check_sizes(batch_size, seq_len)
+    if cpu_offload and spec.stage_at_step < 3:
+        raise PlanError(
+            f"cpu_offload needs a fully sharded strategy (fsdp, fsdp2, ...), not {spec.name!r}"
+        )
+    model = build_on_meta(model_or_builder)
+    num_params = sum(p.numel() for p in model.parameters())
+    if num_params == 0:
+        raise PlanError(f"{type(model).__name__} has no parameters to train")
+    group = spec.shard_group_size(world_size)
+    state = estimate_model_state(
+        num_params, group, spec.stage_at_step, precision, optimizer, full_grads=spec.full_grads
+    )
+    if activations is not None:
+        if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
+            raise PlanError(f"activations must be an int >= 0 bytes, got {activations!r}")
+    else:
+        activations = traced_activation_bytes(
+            model,
+            batch_size,
+            seq_len,
+            precision=precision,
+            activation_checkpointing=activation_checkpointing,
+            batch=batch,
+        )
+    largest, root = unit_params(model)
+    transient, kind = _transient(spec, per.params, per.grads, num_params, largest)
+    if kind == "ddp":
+        transient = min(_DDP_BUCKET_BYTES, state.grads)
+        kind = "gradient bucket (DDP's 25 MiB cap)"
+    dtype = "bf16" if precision == "mixed" else "fp32"
+    comm = predict_communication(spec.name, num_params, world_size, dtype, root)
+    return Plan(
+        spec.name,
+        world_size,
+        num_params,
+        precision,
+        state,
+        activations,
+        transient,
+        kind,
+        comm,
+        cpu_offload,
+    )
+
+
+def _transient(
+    spec: StrategySpec, param_bytes: int, grad_bytes: int, num_params: int, largest: int
+) -> tuple[int, str]:
+    """The largest short-lived buffer, beyond this rank's shard of the state."""
+    if spec.stage_at_step >= 3 and spec.zero_stage == 2:
+        # SHARD_GRAD_OP keeps every unit gathered from its forward until backward ends.
+        gathered = param_bytes * num_params + grad_bytes * largest
+        return gathered, "all parameters gathered (forward to backward) + a unit's grads"
+    if spec.stage_at_step >= 3:
+        return (param_bytes + grad_bytes) * largest, "largest gathered unit (params + grads)"
+    if spec.name in ("ddp", "zero1", "oss"):
+        return 0, "ddp"
+    return 0, "none beyond the state"

@@ -1,0 +1,202 @@
+"""Activations saved for backward, traced on fake tensors: no byte of the model allocated (private).
+
+The model's real forward and loss run under :class:`torch._subclasses.fake_tensor.FakeTensorMode`:
+tensors with shapes, dtypes and storages but no data. :func:`fsdp_guide.wrap.saved_activation_bytes`
+counts what autograd keeps, each storage once, as on real tensors (fake storages are told apart
+by identity, since they all sit at address 0). A builder runs under ``torch.device("meta")``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from fsdp_guide.errors import PlanError
+from fsdp_guide.memory._zero import Precision
+
+#: A model, or a function building one (called under ``torch.device("meta")``).
+ModelSource = nn.Module | Callable[[], nn.Module]
+#: What activation checkpointing to plan for: none, each :class:`~fsdp_guide.models.Block`,
+#: or each module of a class.
+Checkpointing = None | Literal["blocks"] | type[nn.Module]
+#: Builds a ``(inputs, targets)`` batch of ``(batch_size, seq_len)``; run on fake tensors.
+BatchBuilder = Callable[[int, int], tuple[Tensor, Tensor]]
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def check_sizes(batch_size: object, seq_len: object) -> None:
+    """Refuse sizes that are not counts, or whose product overflows a tensor's int64 size.
+
+    Raises:
+        PlanError: Naming the bad size.
+
+    Examples:
+        >>> check_sizes(2**40, 2**40)
+        Traceback (most recent call last):
+        ...
+        fsdp_guide.errors.PlanError: batch_size * seq_len = 1208925819614629174706176 overflows ...
+    """
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name} must be an integer >= 1, got {value!r}")
+    product = batch_size * seq_len  # type: ignore[operator]
+    if product > _INT64_MAX:
+        raise PlanError(f"batch_size * seq_len = {product} overflows int64")
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` on the meta device, without copying a byte of its data."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to("meta")
+    return copy.deepcopy(model, memo)
+
+
+def build_on_meta(source: ModelSource) -> nn.Module:
+    """The model of ``source`` on the meta device: a copy of a model, or a builder's model.
+
+    Raises:
+        PlanError: When the builder raises or returns something else than a module.
+
+    Examples:
+        >>> build_on_meta(lambda: nn.Linear(2, 3)).weight.device
+        device(type='meta')
+    """
+    if isinstance(source, nn.Module):
+        return _meta_copy(source)
+    if not callable(source):
+        raise PlanError(f"model must be an nn.Module or a function building one, got {source!r}")
+    try:
+        with torch.device("meta"):
+            model = source()
+    except Exception as exc:  # the caller's code: say which builder failed and why
+        raise PlanError(f"the model builder raised {type(exc).__name__}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"the model builder returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _to_fake(model: nn.Module) -> None:
+    """Replace ``model``'s parameters and buffers, in place, by CPU tensors of the active fake
+    mode: same shapes and dtypes, tied parameters still tied."""
+    fakes: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in fakes:
+                    fake = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+                    fakes[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
+                module._parameters[name] = fakes[id(p)]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device="cpu")
+
+
+def _default_batch(model: nn.Module) -> BatchBuilder:
+    from fsdp_guide.models import MLP, TinyTransformer
+
+    if isinstance(model, TinyTransformer):
+        longest = model.config.seq_len
+
+        def tokens(batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
+            if seq_len > longest:
+                raise PlanError(
+                    f"seq_len={seq_len} is longer than the model's position embedding "
+                    f"({longest}); build the model with TransformerConfig(seq_len={seq_len})"
+                )
+            ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+            return ids, ids.clone()
+
+        return tokens
+    if isinstance(model, MLP):
+        linears = [m for m in model.net if isinstance(m, nn.Linear)]
+        return lambda b, _t: (
+            torch.zeros(b, linears[0].in_features),
+            torch.zeros(b, linears[-1].out_features),
+        )
+    raise PlanError(
+        f"no example batch known for {type(model).__name__}; pass batch=fn(batch_size, seq_len) "
+        "returning (inputs, targets)"
+    )
+
+
+def _checkpoint(model: nn.Module, checkpointing: Checkpointing) -> None:
+    from fsdp_guide.models import Block
+    from fsdp_guide.wrap._activations import checkpoint_layers
+
+    layers = Block if checkpointing == "blocks" else checkpointing
+    if not isinstance(layers, type) or not issubclass(layers, nn.Module):
+        raise PlanError(
+            f"activation_checkpointing must be None, 'blocks' or a Module class, "
+            f"got {checkpointing!r}"
+        )
+    try:
+        checkpoint_layers(model, layers)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+
+
+def traced_activation_bytes(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    *,
+    precision: Precision = "fp32",
+    activation_checkpointing: Checkpointing = None,
+    batch: BatchBuilder | None = None,
+) -> int:
+    """Bytes autograd saves for backward in one forward and loss, traced on fake tensors.
+
+    Args:
+        model: The model, real or on the meta device; it is not changed.
+        batch_size: Samples in this rank's batch.
+        seq_len: Tokens per sample (ignored by models without sequences, such as the MLP).
+        precision: ``"mixed"`` traces under bfloat16 autocast.
+        activation_checkpointing: ``None``, ``"blocks"`` or a layer class to checkpoint.
+        batch: Builds ``(inputs, targets)``; known for the demo models.
+
+    Returns:
+        What :func:`fsdp_guide.wrap.saved_activation_bytes` counts on a real forward.
+
+    Raises:
+        PlanError: For a model with no known batch, a sequence longer than the model takes,
+            or sizes that overflow.
+
+    Examples:
+        >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
+        >>> model = TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2))
+        >>> traced_activation_bytes(model, 2, 32) > traced_activation_bytes(
+        ...     model, 2, 32, activation_checkpointing="blocks")
+        True
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_guide.models import loss_fn
+    from fsdp_guide.wrap._activations import saved_activation_bytes
+
+    check_sizes(batch_size, seq_len)
+    traced = _meta_copy(model)  # checkpointing and faking change it: never the caller's
+    make_batch = batch or _default_batch(traced)
+    if activation_checkpointing is not None:
+        _checkpoint(traced, activation_checkpointing)
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if precision == "mixed" else nullcontext()
+    )
+    with FakeTensorMode():
+        _to_fake(traced)
+        try:
+            inputs = make_batch(batch_size, seq_len)
+            with autocast:
+                nbytes, _ = saved_activation_bytes(traced, lambda: loss_fn(traced, inputs))
+        except RuntimeError as exc:  # sizes past int64, and the like
+            raise PlanError(f"cannot trace the forward pass: {exc}") from exc
+    return nbytes

@@ -1,0 +1,134 @@
+"""``python -m fsdp_guide estimate --model``: the plan per strategy, what fits, JSON, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fsdp_guide.catalog import STRATEGIES
+from fsdp_guide.cli import main
+from fsdp_guide.memory import plan
+from fsdp_guide.models import TinyTransformer, TransformerConfig
+
+TINY = ["--model", "fsdp_guide.models:MLP", "--model-arg", "depth=2", "--model-arg", "hidden=64"]
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    lines = [line.split() for line in out.splitlines()]
+    return {cells[0]: cells for cells in lines if cells and cells[0] in STRATEGIES}
+
+
+def test_every_strategy_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", *TINY, "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert list(_rows(out)) == list(STRATEGIES)
+    assert "recommended" not in out
+
+
+def test_json_bytes_equal_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["estimate", "--model", "fsdp_guide.models:TinyTransformer", "--batch-size", "3"]
+    args += ["--strategy", "ddp,fsdp1", "--json", "--precision", "fp32", "--world-size", "4"]
+    assert main([*args, "--activation-checkpointing"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["strategy"] for r in rows] == ["ddp", "fsdp"]
+    want = plan(TinyTransformer(), batch_size=3, seq_len=32, world_size=4, strategy="fsdp",
+                activation_checkpointing="blocks")  # fmt: skip
+    assert rows[1] == want.as_dict()
+    assert all(isinstance(r[k], int) for r in rows for k in ("params", "activations", "total"))
+
+
+def test_a_layer_class_to_checkpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["estimate", "--model", "fsdp_guide.models:TinyTransformer", "--json"]
+    base += ["--strategy", "fsdp2"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)[0]["activations"]
+    assert main([*base, "--activation-checkpointing", "fsdp_guide.models:Block"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["activations"] < plain
+
+
+def test_gpu_memory_fits_and_recommends_the_least_communication(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cfg = {"vocab_size": 32000, "dim": 4096, "n_heads": 32, "n_layers": 32, "seq_len": 2048}
+    args = ["estimate", "--model", "tests.test_cli_estimate_model:gpt", "--world-size", "8"]
+    args += [a for k, v in cfg.items() for a in ("--model-arg", f"{k}={v}")]
+    args += ["--activation-checkpointing", "--gpu-memory", "80GB"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert rows["ddp"][-1] == "no"  # 16 bytes x 6.5B parameters do not fit 80 GB
+    assert rows["fsdp"][-1] == "yes"
+    # zero1, oss, sharded_ddp and fsdp_grad_op all move 2 x 2 bytes x params per step; of
+    # those, ShardedDDP holds the least (SHARD_GRAD_OP keeps every parameter gathered).
+    assert "recommended: sharded_ddp (fits 80 GB with 10% margin" in out
+
+
+def gpt(**kwargs: int) -> TinyTransformer:
+    """A builder taking dimensions, as --model-arg gives them."""
+    return TinyTransformer(TransformerConfig(**kwargs))
+
+
+def _boom() -> TinyTransformer:
+    raise RuntimeError("no such size")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--strategy", "zero4"], "argument --strategy: unknown strategy 'zero4'"),
+        (["--strategy", "ddp,ddp"], "argument --strategy: name each strategy once"),
+        (["--gpu-memory", "huge"], "argument --gpu-memory: cannot read 'huge' as a size"),
+        (["--gpu-memory", "1e400GB"], "size '1e400GB' is too large"),
+        (["--margin", "1.5"], "argument --margin: must be a number from 0 to below 1"),
+        (["--model-arg", "80"], "argument --model-arg: must be key=value"),
+        (["--model-arg", "hidden=-1"], "the model builder raised RuntimeError"),
+        (["--model-arg", "colour=1"], "the model builder raised TypeError"),
+        (["--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
+        (["--batch-size", str(2**62), "--seq-len", "4"], "overflows int64"),
+        (["--activation-checkpointing", "torch.nn:Nope"], "--activation-checkpointing takes"),
+        (["--activation-checkpointing", "fsdp_guide.models:Block"], "no module of MLP matches"),
+    ],
+)
+def test_bad_input_one_line_exit_2(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["estimate", *TINY, *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith("fsdp_guide estimate: error: ")
+    assert message in captured.err
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("fsdp_guide.models", "argument --model: must be package.module:name"),
+        ("no_such_pkg.mod:build", "cannot import 'no_such_pkg.mod'"),
+        ("fsdp_guide.models:nothing", "module fsdp_guide.models has no attribute 'nothing'"),
+        ("tests.test_cli_estimate_model:_boom", "the model builder raised RuntimeError: no such"),
+        ("fsdp_guide.models:count_params", "the model builder raised TypeError"),
+    ],
+)
+def test_bad_model_one_line_exit_2(
+    model: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["estimate", "--model", model]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1
+    assert message in captured.err
+
+
+def test_params_and_model_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--params", "7B", *TINY]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_module_entry_point() -> None:
+    cmd = [sys.executable, "-m", "fsdp_guide", "estimate", *TINY, "--strategy", "fsdp", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)[0]["strategy"] == "fsdp"

@@ -1,0 +1,271 @@
+"""memory.plan: traced activations equal the real count, state equals the ZeRO prediction and
+stays within its tolerance of a real step, bad input is refused, 70B plans in seconds."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_guide.catalog import STRATEGIES, get_strategy, wrap_for_strategy
+from fsdp_guide.errors import PlanError
+from fsdp_guide.launcher import launch
+from fsdp_guide.memory import measure_model_state, plan, traced_activation_bytes
+from fsdp_guide.models import (
+    MLP,
+    Block,
+    TinyTransformer,
+    TransformerConfig,
+    build_model,
+    loss_fn,
+    shard_batch,
+    synthetic_batch,
+)
+from fsdp_guide.wrap import checkpoint_layers, saved_activation_bytes
+
+CPU_STRATEGIES = [name for name, spec in STRATEGIES.items() if not spec.needs_cuda]
+
+TRANSFORMERS = {
+    "demo": (TransformerConfig(), 8, 32),
+    "odd_width": (TransformerConfig(dim=36, n_heads=3, n_layers=3, seq_len=64), 3, 50),
+    "more_heads": (TransformerConfig(dim=64, n_heads=16, n_layers=2), 4, 32),
+    "long_seq": (TransformerConfig(dim=32, n_heads=2, n_layers=2, seq_len=256), 2, 256),
+    "batch_1": (TransformerConfig(dim=48, n_heads=4, n_layers=2), 1, 17),
+    "big_vocab": (TransformerConfig(vocab_size=1000, dim=40, n_heads=5, n_layers=1), 2, 9),
+}
+
+
+def _real_transformer_bytes(
+    model: nn.Module, cfg: TransformerConfig, batch: int, seq: int, checkpointing: bool
+) -> int:
+    model = copy.deepcopy(model)
+    if checkpointing:
+        checkpoint_layers(model, Block)
+    # Inputs in storages of their own, as a data loader gives them (a slice of a bigger
+    # tensor would count the whole storage).
+    data = (torch.randint(0, cfg.vocab_size, (batch, seq)), torch.randint(0, 9, (batch, seq)))
+    return saved_activation_bytes(model, lambda: loss_fn(model, data))[0]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("shape", list(TRANSFORMERS))
+def test_traced_activations_equal_a_real_forward(shape: str, checkpointing: bool) -> None:
+    cfg, batch, seq = TRANSFORMERS[shape]
+    torch.manual_seed(0)
+    model = TinyTransformer(cfg)
+    want = _real_transformer_bytes(model, cfg, batch, seq, checkpointing)
+    ckpt = "blocks" if checkpointing else None
+    assert traced_activation_bytes(model, batch, seq, activation_checkpointing=ckpt) == want
+    # The same through plan(), from a builder run on the meta device.
+    got = plan(
+        lambda: TinyTransformer(cfg),
+        batch_size=batch,
+        seq_len=seq,
+        world_size=2,
+        strategy="fsdp2",
+        activation_checkpointing=Block if checkpointing else None,
+    )
+    assert got.activations == want
+
+
+def test_checkpointing_saves_activations() -> None:
+    cfg, batch, seq = TRANSFORMERS["demo"]
+    model = TinyTransformer(cfg)
+    plain = traced_activation_bytes(model, batch, seq)
+    assert traced_activation_bytes(model, batch, seq, activation_checkpointing="blocks") < plain
+
+
+@pytest.mark.parametrize(
+    ("sizes", "batch"), [((32, 256, 3, 8), 8), ((7, 13, 2, 3), 1), ((5, 9, 4, 1), 33)]
+)
+def test_traced_mlp_activations_equal_a_real_forward(
+    sizes: tuple[int, int, int, int], batch: int
+) -> None:
+    model = MLP(*sizes)
+    data = (torch.randn(batch, sizes[0]), torch.randn(batch, sizes[3]))
+    want = saved_activation_bytes(model, lambda: loss_fn(model, data))[0]
+    assert traced_activation_bytes(model, batch, 1) == want
+
+
+def test_mixed_precision_traces_under_bf16_autocast() -> None:
+    cfg, batch, seq = TRANSFORMERS["odd_width"]
+    model = TinyTransformer(cfg)
+    data = (torch.randint(0, cfg.vocab_size, (batch, seq)), torch.randint(0, 9, (batch, seq)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = saved_activation_bytes(model, lambda: loss_fn(model, data))[0]
+    assert traced_activation_bytes(model, batch, seq, precision="mixed") == want
+    assert want < traced_activation_bytes(model, batch, seq)
+
+
+def test_the_callers_model_is_left_alone() -> None:
+    model = build_model("transformer")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan(
+        model,
+        batch_size=2,
+        seq_len=8,
+        world_size=2,
+        strategy="fsdp",
+        activation_checkpointing="blocks",
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(type(b) is Block for b in model.blocks)  # not checkpoint-wrapped
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_state_is_the_strategy_prediction(name: str, precision: str) -> None:
+    got = plan(build_model("mlp"), batch_size=4, seq_len=1, world_size=4, strategy=name,
+               precision=precision)  # fmt: skip
+    spec = get_strategy(name)
+    if precision == "fp32":
+        assert got.state == spec.predict(got.num_params, 4)
+    assert got.total == got.state.total + got.activations + got.transient
+    assert got.communication.strategy == name
+
+
+def test_fsdp_transient_is_the_largest_unit_and_ddp_a_bucket() -> None:
+    model = build_model("transformer")
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    root = sum(p.numel() for p in model.parameters()) - 4 * block
+    fsdp = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="fsdp")
+    assert fsdp.transient == 8 * max(block, root)
+    assert fsdp.communication.payload["all_gather"] == 2 * fsdp.num_params - root
+    grad_op = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="fsdp_grad_op")
+    assert grad_op.transient == 4 * grad_op.num_params + 4 * max(block, root)
+    ddp = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="ddp")
+    assert ddp.transient == ddp.state.grads  # under DDP's 25 MiB cap
+
+
+def test_activations_given_skip_the_trace() -> None:
+    model = build_model("transformer")
+    traced = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="fsdp")
+    given = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="fsdp",
+                 activations=traced.activations)  # fmt: skip
+    assert given == traced
+
+
+def test_cpu_offload_takes_the_state_off_the_device() -> None:
+    got = plan(build_model("mlp"), batch_size=4, seq_len=1, world_size=2, strategy="fsdp2",
+               cpu_offload=True)  # fmt: skip
+    assert got.device_state == 0
+    assert got.total == got.activations + got.transient
+
+
+def _train_and_measure(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
+    """Per strategy: activations saved in the first step, state after the second step()."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in CPU_STRATEGIES:
+        module, optimizer = wrap_for_strategy(build_model("transformer"), name, world_size)
+        for step in range(2):
+            rows = shard_batch(synthetic_batch("transformer", 8, step), rank, world_size)
+            batch = (rows[0].clone(), rows[1].clone())  # own storages, not views of the batch
+            saved, loss = saved_activation_bytes(module, lambda m=module, b=batch: loss_fn(m, b))
+            if step == 0:
+                out[name] = {"activations": saved}
+            loss.backward()
+            optimizer.step()
+            if step == 1:
+                out[name]["state"] = measure_model_state(module, optimizer)
+            module.zero_grad()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, dict[str, Any]]]:
+    return launch(_train_and_measure, 2, backend="gloo", start_method="fork", timeout=280)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", CPU_STRATEGIES)
+def test_plan_matches_a_real_step_on_two_ranks(
+    two_ranks: list[dict[str, dict[str, Any]]], name: str
+) -> None:
+    got = plan(build_model("transformer"), batch_size=4, seq_len=32, world_size=2, strategy=name)
+    for rank, result in enumerate(two_ranks):
+        measured = result[name]
+        assert got.activations == measured["activations"], f"rank {rank}"
+        # The ZeRO formula's tolerance: padding, Adam's step counters, OSS's whole tensors.
+        ratio = measured["state"].total / got.state.total
+        assert abs(ratio - 1) < 0.02, f"rank {rank}: ratio {ratio:.4f}"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"strategy": "zero4"}, "unknown strategy 'zero4'"),
+        ({"batch_size": 0}, "batch_size must be an integer >= 1"),
+        ({"seq_len": True}, "seq_len must be an integer >= 1"),
+        ({"world_size": 0}, "world_size"),
+        ({"precision": "fp8"}, "unknown precision 'fp8'"),
+        ({"batch_size": 2**40, "seq_len": 2**40}, "overflows int64"),
+        ({"seq_len": 33}, "longer than the model's position embedding"),
+        ({"cpu_offload": True, "strategy": "ddp"}, "cpu_offload needs a fully sharded"),
+        ({"activation_checkpointing": "layers"}, "activation_checkpointing must be"),
+        ({"activations": -1}, "activations must be an int >= 0 bytes"),
+        ({"activation_checkpointing": TinyTransformer}, "root module"),
+        ({"activation_checkpointing": nn.Conv2d}, "no module of TinyTransformer matches"),
+    ],
+)
+def test_bad_input_is_a_plan_error(kwargs: dict[str, Any], message: str) -> None:
+    args: dict[str, Any] = {"batch_size": 2, "seq_len": 8, "world_size": 2, "strategy": "fsdp"}
+    with pytest.raises(PlanError, match=message.replace("(", r"\(")):
+        plan(build_model("transformer"), **{**args, **kwargs})
+
+
+def test_sizes_that_overflow_in_the_trace_are_a_plan_error() -> None:
+    cfg = TransformerConfig(seq_len=2**31)
+    with pytest.raises(PlanError, match="cannot trace the forward pass: .*overflow"):
+        plan(lambda: TinyTransformer(cfg), batch_size=2**31, seq_len=2**31, world_size=2,
+             strategy="fsdp")  # fmt: skip
+
+
+def _raises() -> nn.Module:
+    raise RuntimeError("out of ideas")
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (_raises, "the model builder raised RuntimeError: out of ideas"),
+        (lambda: 3, "the model builder returned int, not an nn.Module"),
+        (42, "model must be an nn.Module or a function"),
+        (lambda: nn.Linear(2, 2), "no example batch known for Linear"),
+        (lambda: nn.ReLU(), "ReLU has no parameters"),
+    ],
+)
+def test_bad_models_are_plan_errors(source: Any, message: str) -> None:
+    with pytest.raises(PlanError, match=message):
+        plan(source, batch_size=2, seq_len=8, world_size=2, strategy="ddp")
+
+
+_SEVENTY_B = """
+import json, resource, time
+start = time.perf_counter()
+from fsdp_guide.memory import plan
+from fsdp_guide.models import TinyTransformer, TransformerConfig
+cfg = TransformerConfig(vocab_size=32000, dim=8192, n_heads=64, n_layers=86, seq_len=4096)
+p = plan(lambda: TinyTransformer(cfg), batch_size=1, seq_len=4096, world_size=64,
+         strategy="fsdp", precision="mixed", activation_checkpointing="blocks")
+print(json.dumps({"seconds": time.perf_counter() - start, "num_params": p.num_params,
+                  "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_seventy_billion_parameters_plan_in_seconds_and_little_memory() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _SEVENTY_B], capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["num_params"] > 69e9
+    assert got["seconds"] < 30
+    assert got["rss"] < 2 * 1024**3
