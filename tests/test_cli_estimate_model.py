@@ -79,7 +79,10 @@ def _boom() -> TinyTransformer:
     ("args", "message"),
     [
         (["--strategy", "zero4"], "argument --strategy: unknown strategy 'zero4'"),
-        (["--strategy", "ddp,ddp"], "argument --strategy: strategy 'ddp' is given twice; name each"),
+        (
+            ["--strategy", "ddp,ddp"],
+            "argument --strategy: strategy 'ddp' is given twice; name each",
+        ),
         (["--gpu-memory", "huge"], "argument --gpu-memory: cannot read 'huge' as a size"),
         (["--gpu-memory", "1e400GB"], "size '1e400GB' is too large"),
         (["--margin", "1.5"], "argument --margin: must be a number from 0 to below 1"),
