@@ -44,7 +44,6 @@ from fsdp_guide.strategies._fsdp_helpers import (
 from fsdp_guide.strategies._precision import (
     check_sharded_precision,
     shard_aware_precision_plugin,
-    to_sharded_precision,
 )
 
 if TYPE_CHECKING:
@@ -244,7 +243,6 @@ class DDPFullyShardedStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         assert self.lightning_module is not None
         self.accelerator.setup(trainer)
-        self.precision_plugin = to_sharded_precision(self.precision_plugin)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)

@@ -40,7 +40,6 @@ from fsdp_guide.strategies._common import (
 from fsdp_guide.strategies._precision import (
     check_sharded_precision,
     shard_aware_precision_plugin,
-    to_sharded_precision,
 )
 
 if TYPE_CHECKING:
@@ -174,7 +173,6 @@ class DDPShardedStrategy(DDPStrategy):
         """Move the module to the device; when fitting, shard optimizers and wrap the module."""
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        self.precision_plugin = to_sharded_precision(self.precision_plugin)
 
         fitting = trainer.state.fn == TrainerFn.FITTING
         assert self.model is not None
