@@ -331,17 +331,21 @@ def test_auto_start_method_forks_in_an_interactive_session(monkeypatch: pytest.M
 # --- torchrun: the same function, one process per rank started by torchrun -------------
 
 TORCHRUN_SCRIPT = """
-import json, os, sys
+import json, os, sys, time
 from pathlib import Path
 from fsdp_guide import launch
 sys.path.insert(0, {tests!r})
 import launch_targets
-results = launch(launch_targets.world_info, world_size=2, args=("torchrun",))
 rank = int(os.environ["RANK"])
-summary = [{{k: r[k] for k in ("rank", "rank_sum", "tag")}} for r in results]
+summaries = []
+for tag in ("torchrun", "again"):
+    results = launch(launch_targets.world_info, world_size=2, args=(tag,), timeout=20)
+    summaries.append([{{k: r[k] for k in ("rank", "rank_sum", "tag")}} for r in results])
+    # Rank 0 late: the group the next launch makes must not read this one's addresses.
+    time.sleep(1.5 * (rank == 0))
 # One file per rank: the ranks share torchrun's stdout, where their lines can interleave.
-Path({out!r}, f"rank{{rank}}.json").write_text(json.dumps(summary))
-launch(launch_targets.raise_on, args=(1,))  # rank 1 raises: the run must fail, not hang
+Path({out!r}, f"rank{{rank}}.json").write_text(json.dumps(summaries))
+launch(launch_targets.raise_on, args=(1,), timeout=20)  # rank 1 raises: fail, not hang
 """
 
 
@@ -368,11 +372,12 @@ def test_under_torchrun_runs_in_process_and_every_rank_gets_all_results(tmp_path
         env=env,
     )
     expected = [
-        {"rank": 0, "rank_sum": 1.0, "tag": "torchrun"},
-        {"rank": 1, "rank_sum": 1.0, "tag": "torchrun"},
+        [{"rank": r, "rank_sum": 1.0, "tag": tag} for r in (0, 1)] for tag in ("torchrun", "again")
     ]
     for rank in (0, 1):
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected, proc.stderr
+        written = tmp_path / f"rank{rank}.json"
+        assert written.exists(), proc.stderr[-4000:]
+        assert json.loads(written.read_text()) == expected, proc.stderr
     # The second launch fails on rank 1: the run fails instead of hanging (it used to hang
     # about one time in two: the failing rank blocked in destroy_process_group). Which
     # rank's traceback torchrun shows is a race: it stops the others when one exits.

@@ -6,6 +6,7 @@ Torch is imported inside the functions: a spawned rank imports this module (thro
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -17,6 +18,10 @@ from fsdp_guide.launcher._rendezvous import MASTER_ADDR
 
 if TYPE_CHECKING:
     import torch
+
+# Numbers this process's torchrun groups: every rank runs the same script, so the n-th
+# launch has the same number on every rank.
+_TORCHRUN_GROUPS = itertools.count()
 
 
 def init_launched_rank(
@@ -75,7 +80,22 @@ def run_under_torchrun(
         chosen = resolve_backend(backend, local_world)
         if chosen == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(chosen, timeout=timedelta(seconds=timeout))
+        # torchrun's store outlives our groups, and destroy_process_group restarts torch's
+        # group numbering, so a second default group would read the first one's stale
+        # gloo addresses and hang (pytorch/pytorch#55967): give each group its own keys.
+        from torch.distributed.rendezvous import rendezvous
+
+        store, _, _ = next(rendezvous("env://", timeout=timedelta(seconds=timeout)))
+        store = dist.PrefixStore(  # type: ignore[attr-defined]
+            f"fsdp_guide/{next(_TORCHRUN_GROUPS)}", store
+        )
+        dist.init_process_group(
+            chosen,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
     value = fn(rank, world_size, *args, **kwargs)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, value)
