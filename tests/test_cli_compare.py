@@ -50,6 +50,7 @@ def test_compare_prints_table_and_writes_json_and_plot(
         "grads": 4 * n,
         "optimizer": 8 * n,
         "buckets": 0,
+        "master": 0,
         "total": 16 * n,
     }
     assert fsdp["predicted"]["total"] == 8 * n  # 16 bytes per parameter over 2 ranks

@@ -29,6 +29,12 @@ counted there, per strategy:
   optimizer state for that shard (stage 3). FSDP1's ``SHARD_GRAD_OP`` is ZeRO-2 during
   forward and backward, but it frees the unsharded parameters after backward, so at this
   point it holds stage-3 state; ``NO_SHARD`` holds stage-0 state.
+* DeepSpeed engines: ``engine.step()`` steps and clears the gradients in one call, so the
+  state is measured after it, with the gradients gone except ZeRO-3's permanent
+  gradient-partition buffer. ZeRO-1/2 hold full parameters and an fp32 master copy of
+  their partition (``ModelState.master``) beside the optimizer state of that partition;
+  ZeRO-3 a parameter shard, a master shard and the gradient buffer, plus its reduce
+  bucket (``ModelState.buckets``). :func:`estimate_deepspeed_state` predicts it exactly.
 
 Each storage is counted once, whole: tensors that are views of one flat buffer (OSS's
 parameter buckets, DDP's gradient buckets, FSDP's flat parameters and their padding) add
@@ -52,6 +58,7 @@ from fsdp_guide.memory._comm import (
     count_collectives,
 )
 from fsdp_guide.memory._comm_zero import CommPrediction, predict_communication, root_unit_params
+from fsdp_guide.memory._deepspeed import estimate_deepspeed_state
 from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
 from fsdp_guide.memory._plan import Plan, plan
 from fsdp_guide.memory._report import (
@@ -87,6 +94,7 @@ __all__ = [
     "communication_table",
     "comparison_table",
     "count_collectives",
+    "estimate_deepspeed_state",
     "estimate_model_state",
     "format_bytes",
     "measure_model_state",

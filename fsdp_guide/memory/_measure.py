@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fsdp_guide._fsdp_tensors import GRAD_BUFFERS, PARAM_BUFFERS, local_tensor
+from fsdp_guide.memory import _deepspeed
 from fsdp_guide.memory._state import ModelState
 
 
@@ -28,7 +29,8 @@ class _StorageCounter:
                 continue
             storage = local_tensor(tensor).untyped_storage()
             key = (str(storage.device), storage.data_ptr())
-            if storage.nbytes() == 0 or key in self._seen:
+            # Meta tensors (DeepSpeed keeps some to describe shapes) hold no bytes.
+            if storage.device.type == "meta" or storage.nbytes() == 0 or key in self._seen:
                 continue
             self._seen.add(key)
             total += storage.nbytes()
@@ -60,15 +62,23 @@ def measure_model_state(
     ZeroRedundancyOptimizer and OSS optimizers (their local shard). Bytes on any device
     are counted; each storage once.
 
+    A DeepSpeed engine (any ZeRO stage, offload too) is measured with its own optimizer:
+    pass the engine, and ``None`` or ``engine.optimizer``; the module inside it with
+    ``engine.optimizer`` works too. Its fp32 master copy is reported as ``master``, its
+    reduce buckets as ``buckets``; call it after ``engine.step()``, which has already
+    cleared the gradients (see :func:`~fsdp_guide.memory.estimate_deepspeed_state`).
+
     Args:
-        module: The model as trained (the wrapper, or the bare module).
-        optimizer: Its optimizer, or ``None`` to count no optimizer state.
+        module: The model as trained (the wrapper, the bare module, or a DeepSpeed engine).
+        optimizer: Its optimizer, or ``None`` to count no optimizer state (for a DeepSpeed
+            engine, ``None`` means the engine's own).
 
     Returns:
         The measured :class:`~fsdp_guide.memory.ModelState`.
 
     Raises:
         TypeError: When ``module`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
+        ValueError: When a DeepSpeed engine is given an optimizer other than its own.
 
     Examples:
         >>> model = nn.Linear(10, 10)  # 110 parameters
@@ -86,6 +96,10 @@ def measure_model_state(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if _deepspeed.is_deepspeed_engine(module):
+        optimizer = _deepspeed.engine_optimizer(module, optimizer)
+    if _deepspeed.zero_stage_of(optimizer) is not None:
+        return _measure_deepspeed(module, optimizer)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
@@ -102,6 +116,20 @@ def measure_model_state(
         grads=grad_bytes,
         optimizer=optimizer_bytes,
         buckets=_ddp_bucket_bytes(module),
+    )
+
+
+def _measure_deepspeed(module: nn.Module, zero: Any) -> ModelState:
+    """A DeepSpeed ZeRO optimizer's state; the order of fields settles shared storages."""
+    tensors = _deepspeed.deepspeed_state_tensors(module, zero)
+    counter = _StorageCounter()
+    counted = {name: counter.add(tensors[name]) for name in tensors}
+    return ModelState(
+        params=counted["params"],
+        master=counted["master"],
+        grads=counted["grads"],
+        buckets=counted["buckets"],
+        optimizer=counted["optimizer"],
     )
 
 

@@ -222,7 +222,7 @@ def rows_as_json(rows: Sequence[ComparisonRow]) -> list[dict[str, Any]]:
     Examples:
         >>> row = ComparisonRow("ddp", 0, 1, 0, ModelState(4, 4, 8), ModelState(4, 4, 8))
         >>> rows_as_json([row])[0]["measured"]
-        {'params': 4, 'grads': 4, 'optimizer': 8, 'buckets': 0, 'total': 16}
+        {'params': 4, 'grads': 4, 'optimizer': 8, 'buckets': 0, 'master': 0, 'total': 16}
     """
     return [
         {
