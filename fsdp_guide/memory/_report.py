@@ -71,7 +71,8 @@ def comparison_table(
     The ``ms/step`` column is shown only when at least one row was timed (a row without a
     time shows ``-`` in it). ``comm/step`` (payload bytes the rank issued in one step,
     marked ``*`` when the count is incomplete) and ``comm pred`` (the prediction) are shown
-    when at least one row counted its collectives.
+    when at least one row counted its collectives. ``master`` (a master copy held apart,
+    DeepSpeed's) is shown after ``params`` when a row measured one.
 
     Args:
         rows: The rows to show.
@@ -98,9 +99,17 @@ def comparison_table(
         >>> print(comparison_table([untimed], style="plain"))
         strategy  ZeRO  rank  params  grads  optimizer  measured  predicted  ratio
         ddp       0     0     4 B     4 B    8 B        16 B      16 B       1.000
+
+        A DeepSpeed row shows its master copy:
+
+        >>> ds = ModelState(8, 0, 4, master=2)
+        >>> print(comparison_table([ComparisonRow("ds", 0, 2, 2, ds, ds)], style="plain"))
+        strategy  ZeRO  rank  params  master  grads  optimizer  measured  predicted  ratio
+        ds        2     0     8 B     2 B     0 B    4 B        14 B      14 B       1.000
     """
-    header = ["strategy", "ZeRO", "rank", "params", "grads", "optimizer", "measured"]
-    header += ["predicted", "ratio"]
+    master = any(row.measured.master for row in rows)
+    header = ["strategy", "ZeRO", "rank", "params", *(["master"] if master else [])]
+    header += ["grads", "optimizer", "measured", "predicted", "ratio"]
     timed = any(row.step_time_s is not None for row in rows)
     comm = any(row.comm_measured is not None for row in rows)
     if comm:
@@ -113,6 +122,7 @@ def comparison_table(
             str(row.zero_stage),
             str(row.rank),
             format_bytes(row.measured.params),
+            *([format_bytes(row.measured.master)] if master else []),
             format_bytes(row.measured.grads),
             format_bytes(row.measured.optimizer),
             format_bytes(row.measured.total),
@@ -304,7 +314,10 @@ def plot_comparison(rows: Sequence[ComparisonRow], path: str | Path | None = Non
     # be scaled down until its labels are unreadable.
     fig, ax = plt.subplots(figsize=(8.0, 4.8))
     bottom = [0.0] * len(shown)
-    for kind, color in (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868")):
+    kinds = [("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868")]
+    if any(row.measured.master for row in shown):  # DeepSpeed's master copy, held apart
+        kinds.insert(1, ("master", "#8172b3"))
+    for kind, color in kinds:
         heights = [getattr(row.measured, kind) / 1e6 for row in shown]
         ax.bar(
             [x - 0.2 for x in xs],
