@@ -1,10 +1,12 @@
 """DeepSpeed engines measured by measure_model_state equal estimate_deepspeed_state, byte for byte.
 
-Every ZeRO stage (0-3) and the CPU offload variants train two steps of torch Adam on the demo
-transformer and MLP, on gloo ranks started by ``fsdp_guide.launch``, at world sizes 2 and 4.
-Each rank measures its engine after the last ``engine.step()`` and predicts the same state
-from the parameter shapes and the config; the test compares every field. One launch per
-world size trains every configuration, so DeepSpeed is imported once per rank.
+Every ZeRO stage (0-3) and the CPU offload variants train two steps of torch Adam on gloo
+ranks started by ``fsdp_guide.launch``, at world sizes 2 and 4, on the demo transformer and
+MLP and on a 23-parameter model whose sizes no world size divides (the demo models divide
+evenly, so only this one shows DeepSpeed's padding). Each rank measures its engine after the
+last ``engine.step()`` and predicts the same state from the parameter shapes and the config;
+the test compares every field. One launch per world size trains every configuration, so
+DeepSpeed is imported once per rank.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("deepspeed")  # the optional extra; CI installs it
 
@@ -41,7 +44,20 @@ CONFIGS = [
     ("zero3_offload", 3, True, False),
     ("zero3_offload_param", 3, True, True),
 ]
-MODELS = ["transformer", "mlp"]
+MODELS = ["transformer", "mlp", "odd"]
+
+
+def odd_model() -> nn.Module:
+    """23 parameters in tensors of 12, 3, 6 and 2: ZeRO-1/2 and ZeRO-3 both pad at N = 2, 4."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def _batch(model_name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if model_name != "odd":
+        return synthetic_batch(model_name, BATCH, step)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, 4, generator=g), torch.randn(BATCH, 2, generator=g)
 
 
 def deepspeed_config(
@@ -97,14 +113,14 @@ def _measure_all(rank: int, world_size: int) -> dict[tuple[str, str], dict[str, 
     for model_name in MODELS:
         for label, stage, offload_optimizer, offload_param in CONFIGS:
             torch.manual_seed(0)
-            model = build_model(model_name)  # type: ignore[arg-type]
+            model = odd_model() if model_name == "odd" else build_model(model_name)  # type: ignore[arg-type]
             numels = [p.numel() for p in model.parameters()]
             config = deepspeed_config(world_size, stage, offload_optimizer, offload_param)
             engine, *_ = deepspeed.initialize(
                 model=model, model_parameters=model.parameters(), config=config
             )
             for step in range(2):
-                batch = shard_batch(synthetic_batch(model_name, BATCH, step), rank, world_size)
+                batch = shard_batch(_batch(model_name, step), rank, world_size)
                 engine.backward(loss_fn(engine, batch))
                 engine.step()
             measured = measure_model_state(engine, engine.optimizer)
