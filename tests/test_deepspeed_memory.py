@@ -12,6 +12,8 @@ DeepSpeed is imported once per rank.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -141,6 +143,10 @@ def _measure_all(rank: int, world_size: int) -> dict[tuple[str, str], dict[str, 
                     measure_model_state(engine, getattr(engine.optimizer, "optimizer", None)),
                 ],
             }
+            try:
+                measure_model_state(engine, torch.optim.SGD(model.parameters(), lr=0.1))
+            except ValueError:
+                result["foreign_optimizer_refused"] = True
             if stage > 0:
                 tensors = deepspeed_state_tensors(engine.module, engine.optimizer)
                 listed = [
@@ -178,6 +184,7 @@ def test_measured_equals_predicted(
         assert measured.as_dict() == predicted.as_dict(), (world_size, rank)
         for other in run["same"]:
             assert other == measured
+        assert run.get("foreign_optimizer_refused"), "an optimizer the engine does not use"
 
 
 def test_each_storage_counted_once(ranks: tuple[int, list[dict[tuple[str, str], Any]]]) -> None:
@@ -205,3 +212,10 @@ def test_sharding_shows_in_the_prediction() -> None:
         estimate_deepspeed_state(1017, 2, 2, offload_param=True)
     with pytest.raises(ValueError, match="stage must be"):
         estimate_deepspeed_state(1017, 2, 4)
+
+
+def test_fsdp_guide_does_not_import_deepspeed() -> None:
+    """DeepSpeed is an optional extra: the package and its memory module never load it."""
+    code = "import sys, fsdp_guide, fsdp_guide.memory; print('deepspeed' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

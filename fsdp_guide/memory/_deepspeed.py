@@ -186,10 +186,10 @@ def estimate_deepspeed_state(
     * ZeRO-1/2 keep every parameter in full (``4Ψ``) *and* an fp32 master copy of this
       rank's partition, reported as ``master``, even for an fp32 model; ZeRO-3 keeps a
       parameter shard and a master shard.
-    * ``engine.step()`` clears the gradients: ZeRO-0/1/2 hold none afterwards (ZeRO-1
-      holds full gradients during backward, ZeRO-2 a partition). ZeRO-3 keeps a buffer of
-      its gradient partitions for the whole run, and its reduce bucket of ``B`` elements
-      (``contiguous_gradients``, on by default) as ``buckets``.
+    * ``engine.step()`` clears the gradients: ZeRO-0/1/2 hold none afterwards (they hold
+      gradients between ``engine.backward()`` and the step, which this does not predict).
+      ZeRO-3 keeps a buffer of its gradient partitions for the whole run, and its reduce
+      bucket of ``B`` elements (``contiguous_gradients``, on by default) as ``buckets``.
     * Adam steps one flat partition per rank, so it has one 4-byte step tensor (ZeRO-0:
       one per tensor).
 
