@@ -17,6 +17,11 @@ The formulas ignore what implementations add or round: FSDP pads each flat param
 multiple of ``N``; OSS and ZeroRedundancyOptimizer give whole tensors to ranks, so shards
 are only nearly equal; Adam keeps a 4-byte step counter per tensor. For the demo models
 those differences stay well under 1%.
+
+DeepSpeed lays the same stages out differently (full parameters beside an fp32 master
+partition at stages 1-2, a permanent gradient buffer and a reduce bucket at stage 3, no
+gradients after ``engine.step()``): :func:`~fsdp_guide.memory.estimate_deepspeed_state`
+is that variant, exact to the byte.
 """
 
 from __future__ import annotations
