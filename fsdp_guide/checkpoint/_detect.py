@@ -15,7 +15,7 @@ from fsdp_guide.catalog._table import Engine
 #: unwrapped model. A checkpoint depends on the wrapper, not on how it was configured.
 Strategy = Literal["module"] | Engine
 # The engines that shard parameters: their checkpoints can be written shard by shard.
-SHARDED_STRATEGIES: tuple[Engine, ...] = ("fsdp1", "fsdp2", "fairscale_fsdp")
+SHARDED_STRATEGIES: tuple[Engine, ...] = ("fsdp1", "fsdp2", "fairscale_fsdp", "deepspeed")
 # What a DCP checkpoint (PyTorch FSDP shards) loads into, at any world size: whatever
 # torch.distributed.checkpoint.state_dict takes a state dict from.
 DCP_TARGETS: tuple[str, ...] = ("fsdp1", "fsdp2", "module", "ddp")
