@@ -95,7 +95,7 @@ def compiled_ops(config: Mapping[str, Any], *, cuda: bool = False) -> list[str]:
 
 
 def find_compiler() -> str | None:
-    """The C++ compiler a JIT build would use: ``$CXX``, else the first of :data:`COMPILERS`.
+    """The C++ compiler a JIT build would use: ``$CXX``, else the first of ``COMPILERS``.
 
     Examples:
         >>> find_compiler() is None or isinstance(find_compiler(), str)
@@ -144,10 +144,6 @@ def preflight(config: Mapping[str, Any] | None = None, *, cuda: bool = False) ->
     Raises:
         MissingRequirementError: The ``deepspeed`` extra is not installed, or the config
             needs a compiler and there is none.
-
-    Examples:
-        >>> from fsdp_guide.deepspeed import zero_config
-        >>> preflight(zero_config(1)) if deepspeed_installed() else None
     """
     check_installed()
     if config is not None:
