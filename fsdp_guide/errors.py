@@ -16,6 +16,7 @@ __all__ = [
     "EngineUnavailableError",
     "LaunchError",
     "LaunchTimeout",
+    "MissingRequirementError",
     "OptimizerMismatchError",
     "PlanError",
     "RankError",
@@ -121,6 +122,18 @@ class OptimizerMismatchError(ValueError):
 
 class EngineUnavailableError(RuntimeError):
     """The engine cannot run on this machine (FairScale's FSDP without CUDA)."""
+
+
+class MissingRequirementError(ValueError):
+    """Something a strategy needs is not installed (an optional extra, a C++ compiler).
+
+    Raised before any rank starts; the message is one line naming the fix. A ``ValueError``,
+    so the command line reports it like other bad input (exit status 2).
+
+    Examples:
+        >>> isinstance(MissingRequirementError("pip install deepspeed"), ValueError)
+        True
+    """
 
 
 class PlanError(ValueError):

@@ -29,7 +29,10 @@ from fsdp_guide.models import (
 )
 from fsdp_guide.wrap import checkpoint_layers, saved_activation_bytes
 
-CPU_STRATEGIES = [name for name, spec in STRATEGIES.items() if not spec.needs_cuda]
+# DeepSpeed engines step through engine.backward/engine.step: see tests/test_deepspeed*.py.
+CPU_STRATEGIES = [
+    name for name, spec in STRATEGIES.items() if not spec.needs_cuda and spec.engine != "deepspeed"
+]
 
 TRANSFORMERS = {
     "demo": (TransformerConfig(), 8, 32),

@@ -195,6 +195,7 @@ API_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "fsdp_guide.wrap",
             "fsdp_guide.checkpoint",
             "fsdp_guide.strategies",
+            "fsdp_guide.deepspeed",
         ),
     ),
     (

@@ -4,24 +4,30 @@ Each strategy has one name, used by ``python -m fsdp_guide compare --strategies`
 :func:`fsdp_guide.compare.run_comparison`, :func:`fsdp_guide.checkpoint.detect_strategy` and
 the ZeRO formulas (:func:`fsdp_guide.memory.estimate_model_state` takes any strategy name as
 its stage). Its :class:`StrategySpec` says which ZeRO stage it is, which engine it is built on,
-what it needs (CUDA, FairScale), which formula predicts the state it holds, and how it wraps a
-model and builds its optimizer. Adding a strategy is adding one entry to :data:`STRATEGIES`.
+what it needs (CUDA, FairScale, DeepSpeed), which formula predicts the state it holds, and how
+it wraps a model and builds its optimizer. Adding a strategy is adding one entry to
+:data:`STRATEGIES`.
 
-========================= ====== ============== ==========================================
-name                      stage  engine         what it is
-========================= ====== ============== ==========================================
-``ddp``                   0      ddp            PyTorch DDP
-``zero1`` (``zero``)      1      zero           DDP + ``ZeroRedundancyOptimizer``
-``oss``                   1      oss            DDP + FairScale OSS
-``sharded_ddp``           2      sharded_ddp    FairScale OSS + ShardedDDP, no reduce buckets
-``sharded_ddp_buckets``   2      sharded_ddp    the same with its default reduce buckets
-``fsdp`` (``fsdp1``)      3      fsdp1          PyTorch FSDP1, ``FULL_SHARD``
-``fsdp_grad_op``          2      fsdp1          PyTorch FSDP1, ``SHARD_GRAD_OP``
-``fsdp_no_shard``         0      fsdp1          PyTorch FSDP1, ``NO_SHARD``
-``fsdp_hybrid``           3      fsdp1          PyTorch FSDP1, ``HYBRID_SHARD`` in pairs
-``fsdp2``                 3      fsdp2          PyTorch FSDP2, ``fully_shard`` per block
-``fairscale_fsdp``        3      fairscale_fsdp FairScale FSDP (CUDA only)
-========================= ====== ============== ==========================================
+=========================== ===== ============== =================================================
+name                        stage engine         what it is
+=========================== ===== ============== =================================================
+``ddp``                     0     ddp            PyTorch DDP
+``zero1`` (``zero``)        1     zero           DDP + ``ZeroRedundancyOptimizer``
+``oss``                     1     oss            DDP + FairScale OSS
+``sharded_ddp``             2     sharded_ddp    FairScale OSS + ShardedDDP, no reduce buckets
+``sharded_ddp_buckets``     2     sharded_ddp    the same with its default reduce buckets
+``fsdp`` (``fsdp1``)        3     fsdp1          PyTorch FSDP1, ``FULL_SHARD``
+``fsdp_grad_op``            2     fsdp1          PyTorch FSDP1, ``SHARD_GRAD_OP``
+``fsdp_no_shard``           0     fsdp1          PyTorch FSDP1, ``NO_SHARD``
+``fsdp_hybrid``             3     fsdp1          PyTorch FSDP1, ``HYBRID_SHARD`` in pairs
+``fsdp2``                   3     fsdp2          PyTorch FSDP2, ``fully_shard`` per block
+``fairscale_fsdp``          3     fairscale_fsdp FairScale FSDP (CUDA only)
+``deepspeed_zero1``         1     deepspeed      DeepSpeed ZeRO-1 (the ``deepspeed`` extra)
+``deepspeed_zero2``         2     deepspeed      DeepSpeed ZeRO-2
+``deepspeed_zero2_offload`` 2     deepspeed      DeepSpeed ZeRO-2, optimizer on the CPU
+``deepspeed_zero3``         3     deepspeed      DeepSpeed ZeRO-3
+``deepspeed_zero3_offload`` 3     deepspeed      DeepSpeed ZeRO-3, optimizer and parameters on CPU
+=========================== ===== ============== =================================================
 
 Stages are accepted everywhere as ``0``-``3``, ``"zero0"``-``"zero3"`` or any name above
 (:func:`resolve_stage`).

@@ -8,11 +8,14 @@ differently from every existing one, one function here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+#: What a setup returns: the module to train and its optimizer. A DeepSpeed engine's
+#: optimizer is DeepSpeed's ZeRO optimizer, typed as the torch optimizer it wraps; step it
+#: through :func:`fsdp_guide.deepspeed.backward_and_step`, which asks the engine.
 Wrapped = tuple[nn.Module, torch.optim.Optimizer]
 
 
@@ -159,3 +162,41 @@ def setup_fsdp2(model: nn.Module, ctx: SetupContext) -> Wrapped:
 
 def setup_fairscale_fsdp(model: nn.Module, ctx: SetupContext) -> Wrapped:
     return _with_adam(_fairscale_fsdp(model), ctx.lr)
+
+
+def _deepspeed(
+    model: nn.Module,
+    ctx: SetupContext,
+    stage: int,
+    *,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+) -> Wrapped:
+    from fsdp_guide.deepspeed._config import zero_config
+    from fsdp_guide.deepspeed._engine import initialize
+
+    config = zero_config(
+        stage, lr=ctx.lr, offload_optimizer=offload_optimizer, offload_params=offload_params
+    )
+    engine, optimizer = initialize(model, config)
+    return engine, cast(torch.optim.Optimizer, optimizer)
+
+
+def setup_deepspeed_zero1(model: nn.Module, ctx: SetupContext) -> Wrapped:
+    return _deepspeed(model, ctx, 1)
+
+
+def setup_deepspeed_zero2(model: nn.Module, ctx: SetupContext) -> Wrapped:
+    return _deepspeed(model, ctx, 2)
+
+
+def setup_deepspeed_zero2_offload(model: nn.Module, ctx: SetupContext) -> Wrapped:
+    return _deepspeed(model, ctx, 2, offload_optimizer=True)
+
+
+def setup_deepspeed_zero3(model: nn.Module, ctx: SetupContext) -> Wrapped:
+    return _deepspeed(model, ctx, 3)
+
+
+def setup_deepspeed_zero3_offload(model: nn.Module, ctx: SetupContext) -> Wrapped:
+    return _deepspeed(model, ctx, 3, offload_optimizer=True, offload_params=True)

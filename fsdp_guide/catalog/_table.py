@@ -19,7 +19,9 @@ if TYPE_CHECKING:
     from fsdp_guide.memory._state import ModelState
 
 #: The mechanism a strategy is built on; checkpoints and memory counting dispatch on it.
-Engine = Literal["ddp", "zero", "oss", "sharded_ddp", "fsdp1", "fsdp2", "fairscale_fsdp"]
+Engine = Literal[
+    "ddp", "zero", "oss", "sharded_ddp", "fsdp1", "fsdp2", "fairscale_fsdp", "deepspeed"
+]
 #: What a strategy needs beyond torch on CPU.
 Requirement = Literal["cuda", "fairscale", "deepspeed"]
 
@@ -38,11 +40,15 @@ class StrategySpec:
         stage_at_step: The stage whose formula describes the state held after
             ``optimizer.step()``; differs from ``zero_stage`` for FSDP1's ``SHARD_GRAD_OP``
             (ZeRO-2 in forward/backward, but it reshards after backward).
-        needs: What it needs beyond torch on CPU: ``"cuda"``, ``"fairscale"``, ``"deepspeed"``.
+        needs: What it needs beyond torch on CPU: ``"cuda"``, ``"fairscale"``, ``"deepspeed"``
+            (the optional extra, checked by :func:`check_strategies` before any rank starts).
         full_grads: Whether every rank keeps a full-size gradient buffer (ShardedDDP with
             its reduce buckets), see :func:`fsdp_guide.memory.estimate_model_state`.
         hybrid: Whether the state is sharded within groups of two ranks and replicated
             across groups (FSDP1 ``HYBRID_SHARD``).
+        offload: What it keeps in host memory instead of on the device between uses:
+            ``("optimizer",)`` (the optimizer state and its step), ``("optimizer",
+            "params")``; empty for the others.
         aliases: Other spellings accepted for it (older names of this project).
         setup: Wraps a model and builds its Adam optimizer inside a launched rank; called by
             :func:`fsdp_guide.catalog.wrap_for_strategy`.
@@ -56,6 +62,7 @@ class StrategySpec:
     needs: frozenset[Requirement] = field(default_factory=frozenset)
     full_grads: bool = False
     hybrid: bool = False
+    offload: tuple[Literal["optimizer", "params"], ...] = ()
     aliases: tuple[str, ...] = ()
     setup: Callable[[nn.Module, SetupContext], Wrapped] = field(
         kw_only=True, repr=False, compare=False
@@ -99,6 +106,7 @@ class StrategySpec:
 
 
 _FAIRSCALE: frozenset[Requirement] = frozenset({"fairscale"})
+_DEEPSPEED: frozenset[Requirement] = frozenset({"deepspeed"})
 
 #: Every strategy, by name, in the order of the ZeRO stages.
 STRATEGIES: dict[str, StrategySpec] = {
@@ -190,6 +198,53 @@ STRATEGIES: dict[str, StrategySpec] = {
             frozenset({"cuda", "fairscale"}),
             setup=setup.setup_fairscale_fsdp,
         ),
+        StrategySpec(
+            "deepspeed_zero1",
+            "DeepSpeed ZeRO-1, torch Adam",
+            "deepspeed",
+            1,
+            1,
+            _DEEPSPEED,
+            setup=setup.setup_deepspeed_zero1,
+        ),
+        StrategySpec(
+            "deepspeed_zero2",
+            "DeepSpeed ZeRO-2, torch Adam",
+            "deepspeed",
+            2,
+            2,
+            _DEEPSPEED,
+            setup=setup.setup_deepspeed_zero2,
+        ),
+        StrategySpec(
+            "deepspeed_zero2_offload",
+            "DeepSpeed ZeRO-2, optimizer offloaded to CPU",
+            "deepspeed",
+            2,
+            2,
+            _DEEPSPEED,
+            offload=("optimizer",),
+            setup=setup.setup_deepspeed_zero2_offload,
+        ),
+        StrategySpec(
+            "deepspeed_zero3",
+            "DeepSpeed ZeRO-3, torch Adam",
+            "deepspeed",
+            3,
+            3,
+            _DEEPSPEED,
+            setup=setup.setup_deepspeed_zero3,
+        ),
+        StrategySpec(
+            "deepspeed_zero3_offload",
+            "DeepSpeed ZeRO-3, optimizer and parameters offloaded to CPU",
+            "deepspeed",
+            3,
+            3,
+            _DEEPSPEED,
+            offload=("optimizer", "params"),
+            setup=setup.setup_deepspeed_zero3_offload,
+        ),
     )
 }
 
@@ -250,12 +305,16 @@ def resolve_stage(stage: int | str) -> int:
     raise ValueError(f"unknown stage {stage!r}; use 0-3, zero0-zero3 or a strategy: {_choices()}")
 
 
-def check_strategies(names: Iterable[str], *, cuda: bool | None = None) -> list[StrategySpec]:
+def check_strategies(
+    names: Iterable[str], *, cuda: bool | None = None, installed: bool = True
+) -> list[StrategySpec]:
     """Look up strategy names, refusing unknown, repeated and unrunnable ones.
 
     Args:
         names: Names or aliases.
         cuda: Whether a GPU is visible; asked of torch when not given.
+        installed: Refuse strategies whose optional extra is missing (DeepSpeed's);
+            ``False`` to plan them without running them.
 
     Returns:
         The specs, in the order given.
@@ -263,6 +322,8 @@ def check_strategies(names: Iterable[str], *, cuda: bool | None = None) -> list[
     Raises:
         ValueError: For an empty list, an unknown or repeated name, or a CUDA-only strategy
             without CUDA.
+        MissingRequirementError: (a ``ValueError``) For a DeepSpeed strategy without the
+            ``deepspeed`` extra, naming the command that installs it.
 
     Examples:
         >>> [s.name for s in check_strategies(["ddp", "fsdp1"])]
@@ -293,6 +354,10 @@ def check_strategies(names: Iterable[str], *, cuda: bool | None = None) -> list[
                 raise ValueError(
                     f"strategy {spec.name!r} needs CUDA, and no GPU is visible; leave it out"
                 )
+        if installed and "deepspeed" in spec.needs:
+            from fsdp_guide.deepspeed._preflight import check_installed
+
+            check_installed(f"strategy {spec.name!r}")
         specs.append(spec)
     if not specs:
         raise ValueError("no strategy given; name at least one, e.g. ddp,fsdp")

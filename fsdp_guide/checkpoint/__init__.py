@@ -3,8 +3,8 @@
 Both are collective: every rank calls them with its own model and optimizer. The strategy is
 read from their types (:func:`detect_strategy`), never passed in: a plain module, DDP,
 PyTorch ``ZeroRedundancyOptimizer``, FairScale OSS and ShardedDDP, PyTorch FSDP1 and FSDP2,
-and FairScale FSDP. ``extra`` (step, epoch, RNG states as tensors) is saved by rank 0 and
-returned by :func:`load`; restoring RNG states from it is the caller's move
+FairScale FSDP, and a DeepSpeed engine. ``extra`` (step, epoch, RNG states as tensors) is
+saved by rank 0 and returned by :func:`load`; restoring RNG states from it is the caller's move
 (``torch.set_rng_state(extra["rng"])``), since only the caller knows which generators matter.
 
 Two formats:
@@ -22,7 +22,7 @@ Two formats:
     per rank for a moment (DCP's ``broadcast_from_rank0`` would spare it, but with torch
     2.13 on CPU/gloo it did not complete in our trials), or save ``kind="sharded"``.
 
-``kind="sharded"``: a directory (FSDP1, FSDP2, FairScale FSDP)
+``kind="sharded"``: a directory (FSDP1, FSDP2, FairScale FSDP, DeepSpeed)
     Each rank writes only its own shards, into a fresh ``data-<id>`` sub-directory, beside
     ``extra.pt`` (rank 0's); ``index.json``, written last, names the format, strategy,
     world size, the optimizer's class and state keys, and each file's size and SHA-256.
@@ -42,6 +42,13 @@ Two formats:
 
     FairScale FSDP shards are ``rank<N>.pt`` files of its local state and load only at the
     world size that saved them.
+
+    A DeepSpeed engine's shards are DeepSpeed's own files, written by
+    ``engine.save_checkpoint`` (a write failing on one rank is held until DeepSpeed's
+    barriers are passed, then raised on every rank) and read by ``engine.load_checkpoint``
+    with ``weights_only=True``; they load into the same ZeRO stage at the same world size.
+    :func:`consolidate` turns them into one fp32 model state with DeepSpeed's
+    ``zero_to_fp32`` (no optimizer state). A DeepSpeed engine saves only ``kind="sharded"``.
 
     :func:`consolidate` (or ``python -m fsdp_guide consolidate SRC DST``) turns either into
     a full checkpoint in one process. Directories of format 1 (PyTorch FSDP shards as

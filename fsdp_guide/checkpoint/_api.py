@@ -69,8 +69,13 @@ def _check_save_arguments(path: Path, kind: str, strategy: Strategy, extra: Any)
     if kind == "sharded" and strategy not in SHARDED_STRATEGIES:
         raise ValueError(
             f"kind='sharded' is for strategies that shard parameters (FSDP1, FSDP2, FairScale "
-            f"FSDP), not {strategy!r}; use kind='full' (sharded optimizer states such as OSS "
-            "and ZeRO are consolidated into it)"
+            f"FSDP, DeepSpeed), not {strategy!r}; use kind='full' (sharded optimizer states "
+            "such as OSS and ZeRO are consolidated into it)"
+        )
+    if kind == "full" and strategy == "deepspeed":
+        raise ValueError(
+            "a DeepSpeed engine saves kind='sharded' (DeepSpeed's own files); consolidate "
+            "that directory (python -m fsdp_guide consolidate DIR FILE) for one full file"
         )
     if kind == "full" and path.is_dir():
         raise ValueError(f"{path} is a directory; a full checkpoint is a file: choose a file path")
@@ -94,10 +99,14 @@ def save(
 
     Args:
         path: A file for ``kind="full"``, a directory for ``kind="sharded"``.
-        model: The model as trained: plain, DDP, ShardedDDP, FSDP1, FSDP2 or FairScale FSDP.
-        optimizer: Its optimizer (plain, ``ZeroRedundancyOptimizer`` or OSS), or ``None``.
+        model: The model as trained: plain, DDP, ShardedDDP, FSDP1, FSDP2, FairScale FSDP,
+            or a DeepSpeed engine.
+        optimizer: Its optimizer (plain, ``ZeroRedundancyOptimizer``, OSS, the engine's), or
+            ``None``.
         kind: ``"full"`` (one file, loads anywhere) or ``"sharded"`` (a directory of
-            per-rank files; PyTorch FSDP's loads at any world size).
+            per-rank files; PyTorch FSDP's loads at any world size; a DeepSpeed engine's
+            holds DeepSpeed's own files and loads into the same ZeRO stage at the same world
+            size, or is consolidated).
         extra: Small metadata to restore with it (step, epoch, RNG state): tensors, numbers,
             strings and containers of them. Rank 0's is saved.
 
@@ -186,9 +195,15 @@ def load(
                     f"{path} holds no optimizer state (saved without an optimizer); pass "
                     "optimizer=None to load the model only"
                 )
-            check_optimizer_fits(opened.index["optimizer"], optimizer)
+            if strategy != "deepspeed":  # DeepSpeed checks its own optimizer state
+                check_optimizer_fits(opened.index["optimizer"], optimizer)
         load_sharded_state(path, opened, model, optimizer)
         return opened.extra
+    if strategy == "deepspeed":
+        raise CheckpointError(
+            f"{path} is a full checkpoint; a DeepSpeed engine loads the sharded directory its "
+            "save wrote. Load the full file into the plain model before building the engine"
+        )
     payload, failure = attempt(lambda: _read_full(path))
     agree(failure)
     assert payload is not None

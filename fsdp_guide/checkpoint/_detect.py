@@ -15,7 +15,7 @@ from fsdp_guide.catalog._table import Engine
 #: unwrapped model. A checkpoint depends on the wrapper, not on how it was configured.
 Strategy = Literal["module"] | Engine
 # The engines that shard parameters: their checkpoints can be written shard by shard.
-SHARDED_STRATEGIES: tuple[Engine, ...] = ("fsdp1", "fsdp2", "fairscale_fsdp")
+SHARDED_STRATEGIES: tuple[Engine, ...] = ("fsdp1", "fsdp2", "fairscale_fsdp", "deepspeed")
 # What a DCP checkpoint (PyTorch FSDP shards) loads into, at any world size: whatever
 # torch.distributed.checkpoint.state_dict takes a state dict from.
 DCP_TARGETS: tuple[str, ...] = ("fsdp1", "fsdp2", "module", "ddp")
@@ -34,9 +34,9 @@ def _fairscale_types() -> tuple[type, type, type] | None:
 def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Strategy:
     """Name the way ``model`` and ``optimizer`` are sharded, from their types.
 
-    Checked in this order: FairScale FSDP, PyTorch FSDP2 (``fully_shard`` on the root),
-    PyTorch FSDP1, FairScale ShardedDDP, then the optimizer (FairScale OSS, PyTorch
-    ``ZeroRedundancyOptimizer``), then DDP, else a plain module.
+    Checked in this order: a DeepSpeed engine, FairScale FSDP, PyTorch FSDP2 (``fully_shard``
+    on the root), PyTorch FSDP1, FairScale ShardedDDP, then the optimizer (FairScale OSS,
+    PyTorch ``ZeroRedundancyOptimizer``), then DDP, else a plain module.
 
     Args:
         model: The model as it is trained (wrapped or not).
@@ -45,7 +45,7 @@ def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
 
     Returns:
         ``"module"`` or the catalog engine name (``"ddp"``, ``"zero"``, ``"oss"``,
-        ``"sharded_ddp"``, ``"fsdp1"``, ``"fsdp2"``, ``"fairscale_fsdp"``).
+        ``"sharded_ddp"``, ``"fsdp1"``, ``"fsdp2"``, ``"fairscale_fsdp"``, ``"deepspeed"``).
 
     Raises:
         TypeError: ``model`` is not a module, or FSDP1/FSDP2 is applied to sub-modules
@@ -62,6 +62,10 @@ def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
+    from fsdp_guide.deepspeed._engine import is_engine
+
+    if is_engine(model):
+        return "deepspeed"
     fairscale = _fairscale_types()
     if fairscale is not None and isinstance(model, fairscale[0]):
         return "fairscale_fsdp"

@@ -8,6 +8,7 @@ Layout of a directory written by :func:`write_sharded`::
         __0_0.distcp  __1_0.distcp  .metadata
                               layout "dcp" (PyTorch FSDP1, FSDP2): a torch.distributed.checkpoint
         rank0.pt  rank1.pt    layout "rank_files" (FairScale FSDP): one shard per rank
+        *_model_states.pt     layout "deepspeed": DeepSpeed's own files (engine.save_checkpoint)
         extra.pt              the caller's small metadata, written by rank 0
 
 Each save goes to a new ``data-<id>`` directory and ends by replacing ``index.json``
@@ -37,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fsdp_guide.checkpoint._dcp import METADATA_NAME, describe_failure, read_metadata
+from fsdp_guide.checkpoint._deepspeed import check_fits as deepspeed_fits
 from fsdp_guide.checkpoint._detect import DCP_TARGETS
 from fsdp_guide.checkpoint._io import (
     DATA_DIR,
@@ -261,7 +263,7 @@ def write_sharded(
             }
             if header["layout"] == "dcp":
                 index["metadata"] = f"{names[0]}/{METADATA_NAME}"
-            else:
+            elif header["layout"] == "rank_files":
                 index["shards"] = [f"{names[0]}/{shard_name(r)}" for r in range(world)]
 
             def publish() -> None:
@@ -291,6 +293,9 @@ def _check_fits(path: Path, index: dict[str, Any], strategy: str, world: int) ->
                 f"{path} holds {saved!r} shards, which load at any world size into PyTorch "
                 f"FSDP1 or FSDP2, a plain module or DDP; this model is {strategy!r}: {consolidate}"
             )
+        return
+    if layout == "deepspeed":
+        deepspeed_fits(path, index, strategy, world)
         return
     if layout != "rank_files":
         raise CheckpointError(f"{path}/{INDEX_NAME} names an unknown layout {layout!r}")
@@ -329,9 +334,10 @@ def _read_checked(path: Path, index: dict[str, Any], to_hash: list[str]) -> Open
 
 def _share_to_hash(index: dict[str, Any], rank: int, world: int) -> list[str]:
     own = [index["extra"]]
-    if index.get("layout", "rank_files") == "dcp":  # any rank may read any data file
-        own.append(index["metadata"])
-        data = sorted(set(index["files"]) - {index["extra"], index["metadata"]})
+    layout = index.get("layout", "rank_files")
+    if layout in ("dcp", "deepspeed"):  # any rank may hash any data file
+        own += [index["metadata"]] if layout == "dcp" else []
+        data = sorted(set(index["files"]) - set(own))
         return [*data[rank::world], *own]
     return [index["shards"][rank], *own]
 

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fsdp_guide.checkpoint import _dcp
+from fsdp_guide.checkpoint._deepspeed import consolidate_fp32, deepspeed_writer, load_engine
 from fsdp_guide.checkpoint._detect import Strategy
 from fsdp_guide.checkpoint._dir import (
     Opened,
@@ -56,6 +57,8 @@ def sharded_writer(
         ValueError: For a strategy that does not shard parameters.
     """
     rank, world = rank_and_world()
+    if strategy == "deepspeed":
+        return deepspeed_writer(model, optimizer)
     if strategy == "fairscale_fsdp":
         shard = {
             "model": dict(model.local_state_dict()),  # type: ignore[operator]
@@ -208,6 +211,11 @@ def load_sharded_state(
     if opened.metadata is not None:
         _load_dcp(path / index["metadata"].split("/")[0], opened.metadata, model, optimizer)
         return
+    if index.get("layout") == "deepspeed":
+        data = path / index["extra"].split("/")[0]
+        _, failure = attempt(lambda: load_engine(data, index, model, optimizer))
+        agree(failure)
+        return
     rank, _ = rank_and_world()
     shard, failure = attempt(lambda: read_torch(path / index["shards"][rank]))
     agree(failure)
@@ -232,6 +240,10 @@ def consolidate_state(path: Path, opened: Opened) -> tuple[dict[str, Any], dict[
         data = path / index["metadata"].split("/")[0]
         whole = _dcp.load_everything(data, opened.metadata)
         return whole.get("model", {}), whole.get("optimizer")
+    if index.get("layout") == "deepspeed":  # the fp32 master weights; no optimizer state
+        data = path / index["extra"].split("/")[0]
+        files = [name for name in index["files"] if name != index["extra"]]
+        return consolidate_fp32(data, files), None
     from fairscale.nn.data_parallel import FullyShardedDataParallel
 
     shards = [read_torch(path / name) for name in index["shards"]]

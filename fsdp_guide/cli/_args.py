@@ -82,11 +82,12 @@ def positive_size(text: str) -> int:
     return size
 
 
-def _strategies(text: str, cuda: bool | None) -> list[str]:
+def _strategies(text: str, cuda: bool | None, installed: bool = True) -> list[str]:
     from fsdp_guide.catalog import check_strategies
 
+    names = [n.strip() for n in text.split(",") if n.strip()]
     try:
-        specs = check_strategies([n.strip() for n in text.split(",") if n.strip()], cuda=cuda)
+        specs = check_strategies(names, cuda=cuda, installed=installed)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
     return [spec.name for spec in specs]
@@ -117,7 +118,8 @@ def catalog_names(text: str) -> list[str]:
         ...
         argparse.ArgumentTypeError: strategy 'fsdp' is given twice (as 'fsdp1'); name each ...
     """
-    return _strategies(text, cuda=True)  # a plan allocates nothing: no GPU needed
+    # A plan allocates nothing: no GPU needed, and no DeepSpeed either.
+    return _strategies(text, cuda=True, installed=False)
 
 
 def import_path(text: str) -> str:

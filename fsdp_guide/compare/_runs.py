@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 
 from fsdp_guide.catalog import STRATEGIES, check_strategies, wrap_for_strategy
+from fsdp_guide.deepspeed._engine import backward_and_step, is_engine
 from fsdp_guide.launcher._checks import check_world_size
 from fsdp_guide.launcher._launch import launch
 from fsdp_guide.memory import (
@@ -59,6 +60,7 @@ class RankMeasurement:
             ``optimizer.step()``); ``None`` when not counted.
         root_unit_params: Parameters of the root unit of a fully sharded model (gathered
             once per step, not twice), ``0`` for the others.
+        note: Why ``state`` is incomplete, when it is (empty otherwise).
     """
 
     strategy: str
@@ -70,6 +72,24 @@ class RankMeasurement:
     peak: PeakMemory
     comm: CommStats | None = None
     root_unit_params: int = 0
+    note: str = ""
+
+
+def _measure(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[ModelState, str]:
+    """The model state after the step, and a note when only part of it could be counted."""
+    try:
+        return measure_model_state(module, optimizer), ""
+    except TypeError:
+        if not is_engine(module):
+            raise
+    # A DeepSpeed engine that measure_model_state does not read yet: count the parameters
+    # it exposes and the torch Adam inside its ZeRO optimizer, and say what is missing.
+    inner = getattr(optimizer, "optimizer", None)
+    state = measure_model_state(module, inner if isinstance(inner, torch.optim.Optimizer) else None)
+    return state, (
+        "partial: DeepSpeed's fp32 master copy and gradient partitions are not counted "
+        "(nor ZeRO-3's parameter shards)"
+    )
 
 
 def train_and_measure(
@@ -86,7 +106,8 @@ def train_and_measure(
     Runs on a launched rank (``launch(train_and_measure, world_size, args=(...))``).
     Every rank builds the same seeded model and takes its slice of the same global batch,
     so the losses of all strategies can be compared. The state is measured after the last
-    ``optimizer.step()``, before ``zero_grad()``.
+    ``optimizer.step()``, before ``zero_grad()``. A DeepSpeed engine steps through
+    :func:`~fsdp_guide.deepspeed.backward_and_step` (``engine.backward``, ``engine.step``).
 
     Args:
         rank: This rank.
@@ -131,18 +152,19 @@ def train_and_measure(
             with count_collectives() if count_comm and step == steps - 1 else nullcontext() as c:
                 start = time.perf_counter()
                 loss = loss_fn(module, (x, y))
-                loss.backward()  # type: ignore[no-untyped-call]
-                optimizer.step()
+                backward_and_step(module, optimizer, loss)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - start)
             if c is not None:
                 comm = c.stats
             if step == steps - 1:
-                state = measure_model_state(module, optimizer)
+                state, note = _measure(module, optimizer)
             # Through the module: ShardedDDP's own zero_grad clears its gradient buckets in
             # place, where optimizer.zero_grad() would set .grad to None and detach them.
-            module.zero_grad()
+            # A DeepSpeed engine's step has zeroed its gradients already.
+            if not is_engine(module):
+                module.zero_grad()
     timed = times[1:] or times
     return RankMeasurement(
         strategy=strategy,
@@ -154,6 +176,7 @@ def train_and_measure(
         peak=peak_memory(device if device.type == "cuda" else "cpu"),
         comm=comm,
         root_unit_params=root_unit_params(module),
+        note=note,
     )
 
 
@@ -231,6 +254,8 @@ def run_comparison(
             timeout=timeout,
             start_method=method,
         )
+        if progress and results[0].note:
+            progress(f"[{index}/{len(specs)}] {spec.name}: measured state {results[0].note}")
         for result in results:
             rows.append(
                 ComparisonRow(

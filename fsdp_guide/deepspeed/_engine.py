@@ -1,0 +1,126 @@
+"""DeepSpeed inside a launched rank: CPU preparation, the engine, one training step (private)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_guide.deepspeed._preflight import check_installed
+
+
+def prepare_cpu() -> None:
+    """Point DeepSpeed at the CPU when no GPU is visible; call before ``import deepspeed``.
+
+    DeepSpeed picks its accelerator once, from ``DS_ACCELERATOR`` or by probing for CUDA
+    and other devices, and keeps it for the life of the process. A value the user set is
+    left alone.
+
+    Examples:
+        >>> prepare_cpu()
+        >>> os.environ.get("DS_ACCELERATOR") in (None, "cpu", "cuda") or "set by the user"
+        True
+    """
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def import_deepspeed() -> ModuleType:
+    """Import DeepSpeed ready to run here: CPU accelerator without GPUs, no compiled comm op.
+
+    On CPU, ``deepspeed.init_distributed`` builds its shared-memory collectives op
+    (``deepspeed_shm_comm``) with the C++ compiler in every new process: 75 s the first
+    time, and a failed init where no compiler is installed. Gloo does the same collectives
+    without it, so the op is marked incompatible before any process group is made.
+
+    Returns:
+        The ``deepspeed`` module.
+
+    Raises:
+        MissingRequirementError: DeepSpeed is not installed.
+    """
+    check_installed()
+    if "deepspeed" not in sys.modules:
+        prepare_cpu()
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    module: ModuleType = deepspeed
+    return module
+
+
+def is_engine(module: object) -> bool:
+    """Whether ``module`` is a DeepSpeed engine (without importing DeepSpeed).
+
+    Examples:
+        >>> is_engine(nn.Linear(2, 2))
+        False
+    """
+    if "deepspeed" not in sys.modules:
+        return False  # an engine can only exist once DeepSpeed was imported
+    from deepspeed import DeepSpeedEngine
+
+    return isinstance(module, DeepSpeedEngine)
+
+
+def initialize(model: nn.Module, config: Mapping[str, Any]) -> tuple[nn.Module, Any]:
+    """Wrap ``model`` in a DeepSpeed engine inside a launched rank; build its optimizer.
+
+    The process group of :func:`fsdp_guide.launch` (or ``torchrun``) is reused: DeepSpeed's
+    communication backend wraps an initialised ``torch.distributed`` group instead of
+    making its own. Without one, one is made from ``RANK``, ``WORLD_SIZE`` and
+    ``MASTER_*`` (gloo on CPU, NCCL on GPUs).
+
+    Args:
+        model: The model, identical on every rank.
+        config: A DeepSpeed config, e.g. :func:`~fsdp_guide.deepspeed.zero_config`.
+
+    Returns:
+        ``(engine, optimizer)``: the engine (an ``nn.Module``: call it for the forward pass)
+        and DeepSpeed's optimizer (for ZeRO 1-3 a ZeRO optimizer wrapping torch's Adam,
+        which is not a ``torch.optim.Optimizer``).
+
+    Raises:
+        MissingRequirementError: DeepSpeed is not installed.
+    """
+    deepspeed = import_deepspeed()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=list(model.parameters()), config=dict(config)
+    )
+    return engine, optimizer
+
+
+def backward_and_step(module: nn.Module, optimizer: Any, loss: torch.Tensor) -> None:
+    """One optimizer step from ``loss``, for a DeepSpeed engine as for any other wrapper.
+
+    A DeepSpeed engine owns the backward pass and the step (``engine.backward(loss)``
+    reduces or partitions the gradients, ``engine.step()`` steps and zeroes them); every
+    other strategy is ``loss.backward()`` and ``optimizer.step()``.
+
+    Examples:
+        >>> layer = nn.Linear(2, 1)
+        >>> sgd = torch.optim.SGD(layer.parameters(), lr=0.5)
+        >>> before = layer.weight.detach().clone()
+        >>> backward_and_step(layer, sgd, layer(torch.ones(1, 2)).sum())
+        >>> torch.equal(layer.weight, before - 0.5)
+        True
+    """
+    if is_engine(module):
+        engine: Any = module
+        engine.backward(loss)
+        engine.step()
+        return
+    loss.backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
