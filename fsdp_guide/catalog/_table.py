@@ -6,7 +6,7 @@ read by the CLI's argument checks, which must answer before any heavy import.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -86,13 +86,41 @@ class StrategySpec:
             return 2
         return world_size
 
-    def predict(self, num_params: int, world_size: int) -> ModelState:
-        """The fp32 Adam ZeRO prediction for the state held after ``optimizer.step()``.
+    def predict(
+        self, num_params: int, world_size: int, param_numels: Sequence[int] | None = None
+    ) -> ModelState:
+        """The fp32 Adam prediction for the state held after ``optimizer.step()``.
+
+        The ZeRO formulas (:func:`~fsdp_guide.memory.estimate_model_state`), except for
+        DeepSpeed, whose layout (a separate fp32 master copy, padded partitions, ZeRO-3's
+        gradient buffer and reduce bucket) has its own formula,
+        :func:`~fsdp_guide.memory.estimate_deepspeed_state`, with the buckets of
+        :func:`~fsdp_guide.deepspeed.zero_config`.
+
+        Args:
+            num_params: Parameters of the model.
+            world_size: Number of ranks.
+            param_numels: The size of each parameter tensor; DeepSpeed's ZeRO-3 pads each
+                one to a multiple of ``world_size`` (``None``: one tensor of ``num_params``).
 
         Examples:
             >>> STRATEGIES["oss"].predict(1000, 2)
             ModelState(params=4000, grads=4000, optimizer=4000, total=12000)
+            >>> STRATEGIES["deepspeed_zero2"].predict(1000, 2)
+            ModelState(params=4000, master=2000, grads=0, optimizer=4004, total=10004)
         """
+        if self.engine == "deepspeed":
+            from fsdp_guide.deepspeed._config import BUCKET_ELEMENTS
+            from fsdp_guide.memory._deepspeed import estimate_deepspeed_state
+
+            return estimate_deepspeed_state(
+                list(param_numels) if param_numels is not None else num_params,
+                world_size,
+                self.zero_stage,
+                reduce_bucket_size=BUCKET_ELEMENTS,
+                offload_optimizer="optimizer" in self.offload,
+                offload_param="params" in self.offload,
+            )
         from fsdp_guide.memory._zero import estimate_model_state
 
         return estimate_model_state(

@@ -60,7 +60,8 @@ class RankMeasurement:
             ``optimizer.step()``); ``None`` when not counted.
         root_unit_params: Parameters of the root unit of a fully sharded model (gathered
             once per step, not twice), ``0`` for the others.
-        note: Why ``state`` is incomplete, when it is (empty otherwise).
+        param_numels: The size of each parameter tensor of the unwrapped model (DeepSpeed's
+            ZeRO-3 pads each one).
     """
 
     strategy: str
@@ -72,24 +73,7 @@ class RankMeasurement:
     peak: PeakMemory
     comm: CommStats | None = None
     root_unit_params: int = 0
-    note: str = ""
-
-
-def _measure(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[ModelState, str]:
-    """The model state after the step, and a note when only part of it could be counted."""
-    try:
-        return measure_model_state(module, optimizer), ""
-    except TypeError:
-        if not is_engine(module):
-            raise
-    # A DeepSpeed engine that measure_model_state does not read yet: count the parameters
-    # it exposes and the torch Adam inside its ZeRO optimizer, and say what is missing.
-    inner = getattr(optimizer, "optimizer", None)
-    state = measure_model_state(module, inner if isinstance(inner, torch.optim.Optimizer) else None)
-    return state, (
-        "partial: DeepSpeed's fp32 master copy and gradient partitions are not counted "
-        "(nor ZeRO-3's parameter shards)"
-    )
+    param_numels: tuple[int, ...] = ()
 
 
 def train_and_measure(
@@ -137,6 +121,7 @@ def train_and_measure(
     torch.manual_seed(0)
     model = build_model(model_name)
     num_params = count_params(model)
+    numels = tuple(p.numel() for p in model.parameters())
     with warnings.catch_warnings():
         # The wrappers warn about CPU devices and deprecations; the lesson is the numbers.
         warnings.simplefilter("ignore")
@@ -159,7 +144,7 @@ def train_and_measure(
             if c is not None:
                 comm = c.stats
             if step == steps - 1:
-                state, note = _measure(module, optimizer)
+                state = measure_model_state(module, optimizer)
             # Through the module: ShardedDDP's own zero_grad clears its gradient buckets in
             # place, where optimizer.zero_grad() would set .grad to None and detach them.
             # A DeepSpeed engine's step has zeroed its gradients already.
@@ -176,7 +161,7 @@ def train_and_measure(
         peak=peak_memory(device if device.type == "cuda" else "cpu"),
         comm=comm,
         root_unit_params=root_unit_params(module),
-        note=note,
+        param_numels=numels,
     )
 
 
@@ -254,8 +239,6 @@ def run_comparison(
             timeout=timeout,
             start_method=method,
         )
-        if progress and results[0].note:
-            progress(f"[{index}/{len(specs)}] {spec.name}: measured state {results[0].note}")
         for result in results:
             rows.append(
                 ComparisonRow(
@@ -264,7 +247,7 @@ def run_comparison(
                     world_size=world_size,
                     zero_stage=STRATEGIES[spec.name].zero_stage,
                     measured=result.state,
-                    predicted=spec.predict(result.num_params, world_size),
+                    predicted=spec.predict(result.num_params, world_size, result.param_numels),
                     step_time_s=result.step_time_s,
                     loss=result.loss,
                     peak_bytes=result.peak.bytes,

@@ -137,6 +137,8 @@ def predict_communication(
     ``fsdp_grad_op``, zero2                 reduce-scatter Ψ, all-gather Ψ               2Ψ
     ``fsdp``, ``fsdp2``, FairScale, zero3   reduce-scatter Ψ, all-gather 2Ψ - R          3Ψ
     ``fsdp_hybrid``                         as ``fsdp`` in groups of S, all-reduce Ψ/S   3Ψ
+    ``deepspeed_zero1``, ``deepspeed_zero2`` all-reduce Ψ + 1, all-gather Ψ'              2Ψ
+    ``deepspeed_zero3``                     reduce-scatter Ψ, all-gather Ψ, all-reduce 1 3Ψ
     ======================================= ============================================ =====
 
     ``R`` is the root unit's parameters: FSDP keeps the root unit unsharded from forward to
@@ -144,6 +146,17 @@ def predict_communication(
     one unit; see :func:`root_unit_params`). The paper's zero3 has ``R = 0``. The hybrid
     all-reduce of each ``Ψ/S`` gradient shard spans the ``N/S`` replicas; FSDP1 issues it
     even when there is one replica (it sends nothing then).
+
+    DeepSpeed (measured with 0.19.8 on gloo, the offload variants alike): ZeRO-1 and 2
+    all-reduce the whole gradient, not a reduce-scatter, then all-gather the updated
+    partitions of the flat buffer padded to ``Ψ'``, a multiple of ``2N``; the ``+ 1`` and
+    ZeRO-3's one-element all-reduce are the overflow check. ZeRO-3 gathers each
+    parameter once per step: it keeps what forward gathered for backward while the
+    model is below ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` (10⁹
+    elements by default); past them, up to twice. Its payloads are also padded, each
+    tensor to a multiple of ``N``, which ``Ψ`` alone cannot tell (exact when every tensor
+    divides by ``N``). From the third step on: ZeRO-3's second step also broadcasts a
+    few hundred elements once, while DeepSpeed settles its prefetch order.
 
     Args:
         strategy: A name from :data:`fsdp_guide.catalog.STRATEGIES`, or ``"zero0"``,
@@ -168,6 +181,8 @@ def predict_communication(
         >>> fsdp = predict_communication("fsdp2", 1000, 2, "bf16", root_unit_params=100)
         >>> dict(fsdp.payload), fsdp.payload_bytes, fsdp.paper_bytes
         ({'reduce_scatter': 1000, 'all_gather': 1900}, 5800, 6000)
+        >>> dict(predict_communication("deepspeed_zero2", 1001, 2).payload)
+        {'all_reduce': 1002, 'all_gather': 1004}
         >>> predict_communication("zero5", 1, 1)
         Traceback (most recent call last):
         ...
@@ -189,7 +204,7 @@ def predict_communication(
         spec = get_strategy(strategy)
         stage, name = spec.zero_stage, spec.name
         shard = spec.shard_group_size(world_size)
-        kind = name
+        kind = f"deepspeed_zero{stage}" if spec.engine == "deepspeed" else name
     payload: dict[str, int]
     groups: dict[str, int] = {}
     if kind in ("ddp", "fsdp_no_shard"):
@@ -198,6 +213,11 @@ def predict_communication(
         payload = {"all_reduce": psi, "broadcast": psi}
     elif kind in ("sharded_ddp", "sharded_ddp_buckets"):
         payload = {"reduce": psi, "broadcast": psi}
+    elif kind in ("deepspeed_zero1", "deepspeed_zero2"):
+        padded = -(-psi // (2 * world_size)) * 2 * world_size
+        payload = {"all_reduce": psi + 1, "all_gather": padded}
+    elif kind == "deepspeed_zero3":
+        payload = {"reduce_scatter": psi, "all_gather": psi, "all_reduce": 1}
     elif kind == "fsdp_grad_op":
         payload = {"reduce_scatter": psi, "all_gather": psi}
     else:  # fully sharded: fsdp, fsdp2, fsdp_hybrid, fairscale_fsdp, the paper's zero3

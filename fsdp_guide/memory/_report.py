@@ -72,7 +72,10 @@ def comparison_table(
     time shows ``-`` in it). ``comm/step`` (payload bytes the rank issued in one step,
     marked ``*`` when the count is incomplete) and ``comm pred`` (the prediction) are shown
     when at least one row counted its collectives. ``master`` (a master copy held apart,
-    DeepSpeed's) is shown after ``params`` when a row measured one.
+    DeepSpeed's) is shown after ``params`` when a row measured one, and ``buckets``
+    (communication buffers kept between steps: DDP's without bucket views, DeepSpeed
+    ZeRO-3's reduce bucket) after ``grads`` when a row did, so the columns add up to
+    ``measured``.
 
     Args:
         rows: The rows to show.
@@ -100,16 +103,18 @@ def comparison_table(
         strategy  ZeRO  rank  params  grads  optimizer  measured  predicted  ratio
         ddp       0     0     4 B     4 B    8 B        16 B      16 B       1.000
 
-        A DeepSpeed row shows its master copy:
+        A DeepSpeed ZeRO-3 row shows its master copy and its reduce bucket:
 
-        >>> ds = ModelState(8, 0, 4, master=2)
-        >>> print(comparison_table([ComparisonRow("ds", 0, 2, 2, ds, ds)], style="plain"))
-        strategy  ZeRO  rank  params  master  grads  optimizer  measured  predicted  ratio
-        ds        2     0     8 B     2 B     0 B    4 B        14 B      14 B       1.000
+        >>> ds = ModelState(8, 8, 16, buckets=4, master=8)
+        >>> print(comparison_table([ComparisonRow("ds", 0, 2, 3, ds, ds)], style="plain"))
+        strategy  ZeRO  rank  params  master  grads  buckets  optimizer  measured  predicted  ratio
+        ds        3     0     8 B     8 B     8 B    4 B      16 B       44 B      44 B       1.000
     """
     master = any(row.measured.master for row in rows)
     header = ["strategy", "ZeRO", "rank", "params", *(["master"] if master else [])]
-    header += ["grads", "optimizer", "measured", "predicted", "ratio"]
+    buckets = any(row.measured.buckets for row in rows)
+    header += ["grads", *(["buckets"] if buckets else [])]
+    header += ["optimizer", "measured", "predicted", "ratio"]
     timed = any(row.step_time_s is not None for row in rows)
     comm = any(row.comm_measured is not None for row in rows)
     if comm:
@@ -124,6 +129,7 @@ def comparison_table(
             format_bytes(row.measured.params),
             *([format_bytes(row.measured.master)] if master else []),
             format_bytes(row.measured.grads),
+            *([format_bytes(row.measured.buckets)] if buckets else []),
             format_bytes(row.measured.optimizer),
             format_bytes(row.measured.total),
             format_bytes(row.predicted.total),
