@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from fsdp_guide.catalog import STRATEGIES  # noqa: E402
-from fsdp_guide.compare import run_comparison  # noqa: E402
+from fsdp_guide.catalog import STRATEGIES
+from fsdp_guide.compare import run_comparison
 
 DEEPSPEED = [name for name, spec in STRATEGIES.items() if spec.engine == "deepspeed"]
 
