@@ -7,6 +7,7 @@ import copy
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from fsdp_guide.memory import (
     estimate_model_state,
     measure_model_state,
     plan,
+    recommend,
     traced_activation_bytes,
 )
 from fsdp_guide.models import (
@@ -157,6 +159,48 @@ def test_fsdp_transient_is_the_largest_unit_and_ddp_a_bucket() -> None:
     assert grad_op.transient == 4 * grad_op.num_params + 4 * max(block, root)
     ddp = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="ddp")
     assert ddp.transient == ddp.state.grads  # under DDP's 25 MiB cap
+
+
+def test_no_shard_counts_the_gradients_it_flattens() -> None:
+    model = build_model("transformer")
+    largest = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    root = sum(p.numel() for p in model.parameters()) - 4 * largest
+    got = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="fsdp_no_shard")
+    assert got.transient == 4 * max(largest, root) > 0
+
+
+@pytest.mark.parametrize("dim", [64, 768], ids=["small", "gpt2_width"])
+def test_recommendation_is_least_communication_then_least_memory(dim: int) -> None:
+    cfg = TransformerConfig(vocab_size=512, dim=dim, n_heads=4, n_layers=2, seq_len=16)
+    names = [n for n in STRATEGIES if not STRATEGIES[n].needs_cuda]
+    saved = traced_activation_bytes(TinyTransformer(cfg), 1, 16)
+    plans = [plan(lambda: TinyTransformer(cfg), batch_size=1, seq_len=16, world_size=4,
+                  strategy=n, activations=saved) for n in names]  # fmt: skip
+    by_name = {p.strategy: p for p in plans}
+    # DDP and NO_SHARD both all-reduce every gradient: only memory can tell them apart.
+    ddp, no_shard = by_name["ddp"], by_name["fsdp_no_shard"]
+    assert ddp.communication.payload_bytes == no_shard.communication.payload_bytes
+    assert ddp.total != no_shard.total
+    best = recommend([ddp, no_shard], 10**12)
+    assert best is (ddp if ddp.total < no_shard.total else no_shard)
+    # Among all: the least communication wins, whatever its memory; the memory decides ties.
+    best = recommend(plans, 10**12)
+    assert best is not None
+    least = min(p.communication.payload_bytes for p in plans)
+    tied = [p for p in plans if p.communication.payload_bytes == least]
+    assert best.total == min(p.total for p in tied)
+    # What does not fit is out, however little it communicates.
+    room = sorted({p.total for p in plans})[1]
+    best = recommend(plans, room, margin=0)
+    assert best is not None and best.total <= room
+    assert recommend(plans, min(p.total for p in plans) - 1, margin=0) is None
+
+
+def test_exact_ties_go_to_the_first_plan_given() -> None:
+    one = plan(build_model("mlp"), batch_size=2, seq_len=1, world_size=2, strategy="ddp")
+    twin = replace(one, strategy="twin")
+    assert recommend([one, twin], 10**9) is one
+    assert recommend([twin, one], 10**9) is twin
 
 
 def test_activations_given_skip_the_trace() -> None:
