@@ -99,6 +99,7 @@ def _boom() -> TinyTransformer:
         (["--model-arg", "colour=1"], "the model builder raised TypeError"),
         (["--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
         (["--batch-size", str(2**62), "--seq-len", "4"], "overflows int64"),
+        (["--world-size", str(10**12)], "is above the 1,048,576 ranks plan() handles"),
         (["--activation-checkpointing", "torch.nn:Nope"], "--activation-checkpointing takes"),
         (["--activation-checkpointing", "fsdp_guide.models:Block"], "no module of MLP matches"),
     ],

@@ -284,6 +284,7 @@ def test_plan_equals_a_real_step_on_every_rank(
         ({"batch_size": 0}, "batch_size must be an integer >= 1"),
         ({"seq_len": True}, "seq_len must be an integer >= 1"),
         ({"world_size": 0}, "world_size"),
+        ({"world_size": 10**9}, "world_size 1,000,000,000 is above the 1,048,576 ranks"),
         ({"precision": "fp8"}, "unknown precision 'fp8'"),
         ({"batch_size": 2**40, "seq_len": 2**40}, "overflows int64"),
         ({"seq_len": 33}, "longer than the model's position embedding"),

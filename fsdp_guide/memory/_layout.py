@@ -24,6 +24,8 @@ the ZeRO formula on every rank, marked as not exact.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -47,20 +49,50 @@ def greedy_partition(numels: Sequence[int], ranks: int) -> list[list[int]]:
     """Indices of the tensors each rank owns: largest first, to the rank with fewest elements.
 
     Ties keep the model's order (a stable sort) and go to the lowest rank, as in
-    ZeroRedundancyOptimizer and OSS.
+    ZeroRedundancyOptimizer and OSS. Only the first ``min(ranks, len(numels))`` ranks can
+    own anything, and only those are returned.
 
     Examples:
         >>> greedy_partition([4, 10, 4, 1], 2)
         [[1], [0, 2, 3]]
+        >>> greedy_partition([4, 10], 1000)
+        [[1], [0]]
     """
     order = sorted(range(len(numels)), key=lambda i: numels[i], reverse=True)
-    owned: list[list[int]] = [[] for _ in range(ranks)]
-    sizes = [0] * ranks
+    active = min(ranks, len(numels))
+    owned: list[list[int]] = [[] for _ in range(active)]
+    heap = [(0, rank) for rank in range(active)]  # (elements so far, rank): a valid heap
     for index in order:
-        rank = sizes.index(min(sizes))
+        size, rank = heapq.heappop(heap)
         owned[rank].append(index)
-        sizes[rank] += numels[index]
+        heapq.heappush(heap, (size + numels[index], rank))
     return [sorted(indices) for indices in owned]
+
+
+def _rows_per_shard(shapes: Sequence[Sequence[int]], group: int) -> tuple[int, list[int]]:
+    """FSDP2: padded elements per shard, and the elements each shard really has.
+
+    A parameter of ``r`` rows of ``w`` elements is cut into chunks of ``c = ceil(r / N)``
+    rows: the first ``r // c`` shards get ``c`` rows, the next the remainder, the rest none.
+    A difference array adds that up for all shards at once.
+    """
+    padded = 0
+    diff = [0] * (group + 1)
+    for shape in shapes:
+        rows = shape[0] if len(shape) else 1  # a 0-d parameter is one row of one
+        width = math.prod(shape) // rows if rows else 0
+        chunk = math.ceil(rows / group)
+        padded += chunk * width
+        if chunk == 0:
+            continue
+        full, rest = divmod(rows, chunk)
+        diff[0] += chunk * width
+        diff[full] -= chunk * width
+        if rest:
+            diff[full] += rest * width
+            diff[full + 1] -= rest * width
+    local = list(itertools.accumulate(diff[:group]))
+    return padded, local
 
 
 def state_per_rank(
@@ -111,41 +143,36 @@ def state_per_rank(
         return tuple(one for _ in shard_of), True
     if spec.engine in ("zero", "oss", "sharded_ddp"):
         owned = greedy_partition(numels, group)
-        states = []
-        for shard in shard_of:
-            mine = sum(numels[i] for i in owned[shard])
-            grads = mine if spec.stage_at_step >= 2 and not spec.full_grads else total
-            states.append(
+        by_shard = []
+        for shard in range(min(group, len(owned) + 1)):  # every shard past the owners: nothing
+            mine = owned[shard] if shard < len(owned) else []
+            elements = sum(numels[i] for i in mine)
+            grads = elements if spec.stage_at_step >= 2 and not spec.full_grads else total
+            by_shard.append(
                 ModelState(
                     per.params * total,
                     per.grads * grads,
-                    per.optimizer * mine + step * len(owned[shard]),
+                    per.optimizer * elements + step * len(mine),
                 )
             )
-        return tuple(states), True
+        return tuple(by_shard[min(shard, len(by_shard) - 1)] for shard in shard_of), True
     if spec.engine in ("fsdp1", "fairscale_fsdp"):
         flat = math.ceil(total / group) if spec.stage_at_step >= 3 else total
         one = ModelState(per.params * flat, per.grads * flat, per.optimizer * flat + step)
         return tuple(one for _ in shard_of), True
     if spec.engine == "fsdp2":
-        # Elements per row of the first dimension (a 0-d parameter is one row of one).
-        rows = [shape[0] if len(shape) else 1 for shape in shapes]
-        width = [n // r if r else 0 for n, r in zip(numels, rows, strict=True)]
-        chunk = [math.ceil(r / group) for r in rows]
-        padded = sum(c * w for c, w in zip(chunk, width, strict=True))
+        padded, local = _rows_per_shard(shapes, group)
+        distinct: dict[int, ModelState] = {}
         states = []
         for shard in shard_of:
-            local = sum(
-                max(0, min(c, r - shard * c)) * w
-                for c, r, w in zip(chunk, rows, width, strict=True)
-            )
-            states.append(
-                ModelState(
+            elements = local[shard]
+            if elements not in distinct:
+                distinct[elements] = ModelState(
                     per.params * padded,
                     per.grads * padded,
-                    per.optimizer * local + step * len(numels),
+                    per.optimizer * elements + step * len(numels),
                 )
-            )
+            states.append(distinct[elements])
         return tuple(states), True
     formula = estimate_model_state(
         total, group, spec.stage_at_step, precision, optimizer, full_grads=spec.full_grads

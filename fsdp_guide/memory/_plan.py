@@ -46,6 +46,9 @@ from fsdp_guide.memory._zero import (
     bytes_per_param,
 )
 
+#: The most ranks :func:`plan` takes: it keeps a model state per rank.
+MAX_RANKS = 2**20
+
 # DDP's default bucket_cap_mb: the largest gradient bucket all-reduced at once.
 _DDP_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -193,8 +196,8 @@ def plan(
         A :class:`Plan`.
 
     Raises:
-        PlanError: Unknown strategy, bad sizes, a failing builder, CPU offload with a
-            strategy that does not shard parameters.
+        PlanError: Unknown strategy, bad sizes, more than :data:`MAX_RANKS` ranks, a failing
+            builder, CPU offload with a strategy that does not shard parameters.
 
     Examples:
         >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
@@ -216,6 +219,10 @@ def plan(
         per = bytes_per_param(precision, optimizer)
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
+    if world_size > MAX_RANKS:  # a state per rank is kept: bound what that costs
+        raise PlanError(
+            f"world_size {world_size:,} is above the {MAX_RANKS:,} ranks plan() handles"
+        )
     check_sizes(batch_size, seq_len)
     if cpu_offload and spec.stage_at_step < 3:
         raise PlanError(
