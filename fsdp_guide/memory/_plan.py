@@ -101,7 +101,7 @@ class Plan:
 
     @property
     def total(self) -> int:
-        """Peak bytes on the fullest rank: model state, activations and the transient buffer."""
+        """Peak bytes on the fullest rank (model state, activations, transient buffer)."""
         return self.device_state + self.activations + self.transient
 
     def rank_total(self, rank: int) -> int:
@@ -196,7 +196,7 @@ def plan(
         A :class:`Plan`.
 
     Raises:
-        PlanError: Unknown strategy, bad sizes, more than :data:`MAX_RANKS` ranks, a failing
+        PlanError: Unknown strategy, bad sizes, more than ``MAX_RANKS`` (2**20) ranks, a failing
             builder, CPU offload with a strategy that does not shard parameters.
 
     Examples:
