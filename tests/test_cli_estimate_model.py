@@ -28,15 +28,23 @@ def test_every_strategy_by_default(capsys: pytest.CaptureFixture[str]) -> None:
     assert "recommended" not in out
 
 
-def test_json_bytes_equal_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_one_object_per_strategy_and_rank(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["estimate", "--model", "fsdp_guide.models:TinyTransformer", "--batch-size", "3"]
-    args += ["--strategy", "ddp,fsdp1", "--json", "--precision", "fp32", "--world-size", "4"]
-    assert main([*args, "--activation-checkpointing"]) == 0
+    args += ["--strategy", "ddp,zero1", "--json", "--precision", "fp32", "--world-size", "4"]
+    assert main([*args, "--activation-checkpointing", "--gpu-memory", "10MB"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["strategy"] for r in rows] == ["ddp", "fsdp"]
-    want = plan(TinyTransformer(), batch_size=3, seq_len=32, world_size=4, strategy="fsdp",
+    assert [(r["strategy"], r["rank"]) for r in rows] == [
+        (name, rank) for name in ("ddp", "zero1") for rank in range(4)
+    ]
+    want = plan(TinyTransformer(), batch_size=3, seq_len=32, world_size=4, strategy="zero1",
                 activation_checkpointing="blocks")  # fmt: skip
-    assert rows[1] == want.as_dict()
+    zero1 = rows[4:]
+    assert [{k: v for k, v in r.items() if k != "fits"} for r in zero1] == [
+        want.as_dict(rank) for rank in range(4)
+    ]
+    # Whole tensors to each rank: the optimizer shards differ, and so may what fits.
+    assert len({r["optimizer"] for r in zero1}) > 1
+    assert [r["fits"] for r in zero1] == [want.rank_total(r) <= 9e6 for r in range(4)]
     assert all(isinstance(r[k], int) for r in rows for k in ("params", "activations", "total"))
 
 
@@ -91,6 +99,7 @@ def _boom() -> TinyTransformer:
         (["--model-arg", "colour=1"], "the model builder raised TypeError"),
         (["--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
         (["--batch-size", str(2**62), "--seq-len", "4"], "overflows int64"),
+        (["--world-size", str(10**12)], "is above the 1,048,576 ranks plan() handles"),
         (["--activation-checkpointing", "torch.nn:Nope"], "--activation-checkpointing takes"),
         (["--activation-checkpointing", "fsdp_guide.models:Block"], "no module of MLP matches"),
     ],

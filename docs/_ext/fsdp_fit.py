@@ -25,6 +25,7 @@ STRATEGIES = ("ddp", "zero1", "sharded_ddp", "fsdp_grad_op", "fsdp")
 # What the table depends on: a change to any of these plans it again.
 _SOURCES = (
     "fsdp_guide/memory/_plan.py",
+    "fsdp_guide/memory/_layout.py",
     "fsdp_guide/memory/_trace.py",
     "fsdp_guide/memory/_zero.py",
     "fsdp_guide/memory/_comm_zero.py",
@@ -45,7 +46,7 @@ def fit_table() -> str:
     """The Markdown table: GB per GPU of each strategy, and the recommended one."""
     import torch
 
-    from fsdp_guide.memory import plan, traced_activation_bytes
+    from fsdp_guide.memory import plan, recommend, traced_activation_bytes
     from fsdp_guide.models import TinyTransformer, TransformerConfig
 
     header = ["model", "parameters", "GPUs", "activations", *STRATEGIES, "recommended"]
@@ -72,7 +73,7 @@ def fit_table() -> str:
                 for s in STRATEGIES
             ]
             fits = [p for p in plans if p.total <= GPU_BYTES * (1 - MARGIN)]
-            best = min(fits, key=lambda p: (p.communication.payload_bytes, p.total), default=None)
+            best = recommend(plans, GPU_BYTES, MARGIN)
             cells = [name, f"{plans[0].num_params / 1e9:.2f}B", str(world_size)]
             cells.append(f"{saved / 1e9:.1f}")
             cells += [f"{p.total / 1e9:.1f}" + ("" if p in fits else " ✗") for p in plans]

@@ -101,10 +101,11 @@ def run_model(args: argparse.Namespace) -> int:
     if args.json:
         rows = []
         for p in plans:
-            row: dict[str, Any] = p.as_dict()
-            if args.gpu_memory is not None:
-                row["fits"] = _fits(p.total, args.gpu_memory, args.margin)
-            rows.append(row)
+            for rank in range(p.world_size):  # ranks differ: whole-tensor and padded shards
+                row: dict[str, Any] = p.as_dict(rank)
+                if args.gpu_memory is not None:
+                    row["fits"] = _fits(p.rank_total(rank), args.gpu_memory, args.margin)
+                rows.append(row)
         print(json.dumps(rows, indent=1))
         return 0
     print(plan_table(plans, args.gpu_memory, args.margin))
@@ -112,10 +113,11 @@ def run_model(args: argparse.Namespace) -> int:
 
 
 def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 0.1) -> str:
-    """One line per strategy, in GB per rank, and the recommendation when a GPU size is given.
+    """One line per strategy, its fullest rank, and the recommendation when a GPU size is given.
 
-    The recommendation is the strategy that fits (within ``gpu_memory`` less the margin)
-    with the least communication per step, then the least memory.
+    The recommendation (:func:`~fsdp_guide.memory.recommend`) is the strategy that fits
+    (within ``gpu_memory`` less the margin) with the least communication per step, then the
+    least memory.
 
     Examples:
         >>> from fsdp_guide.memory import plan
@@ -123,12 +125,13 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
         >>> plans = [plan(MLP(), batch_size=8, seq_len=1, world_size=2, strategy=s)
         ...          for s in ("ddp", "fsdp")]
         >>> print(plan_table(plans, gpu_memory=2_600_000))
-        142,088 parameters on 2 ranks, fp32 precision; bytes per rank
+        142,088 parameters on 2 ranks, fp32 precision; bytes on the fullest rank
         strategy  params   grads    optimizer  activations  transient  total    comm/step  fits
         ddp       0.57 MB  0.57 MB  1.14 MB    0.03 MB      0.57 MB    2.87 MB  0.57 MB    no
         fsdp      0.28 MB  0.28 MB  0.57 MB    0.03 MB      1.14 MB    2.30 MB  1.14 MB    yes
         recommended: fsdp (fits 2.60 MB with 10% margin, least communication)
     """
+    from fsdp_guide.memory._plan import recommend
     from fsdp_guide.memory._zero import format_bytes
 
     largest = max(p.total for p in plans)
@@ -150,14 +153,13 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
     first = plans[0]
     title = (
         f"{first.num_params:,} parameters on {first.world_size} ranks, {first.precision} "
-        "precision; bytes per rank"
+        "precision; bytes on the fullest rank"
     )
     out = [title, *lines]
     if gpu_memory is not None:
-        fitting = [p for p in plans if _fits(p.total, gpu_memory, margin)]
+        best = recommend(plans, gpu_memory, margin)
         size = format_bytes(gpu_memory).replace(".00", "")
-        if fitting:
-            best = min(fitting, key=lambda p: (p.communication.payload_bytes, p.total))
+        if best is not None:
             out.append(
                 f"recommended: {best.strategy} (fits {size} with {margin:.0%} margin, "
                 "least communication)"

@@ -10,8 +10,9 @@ elements and bytes per kind, and whether the count is complete);
 strategy issues, in the same units, so they compare like memory does.
 
 **Planning.** :func:`plan` adds what a rank holds at its peak, without allocating the model:
-the model state, the activations saved for backward (traced on fake tensors), the largest
-transient buffer and the communication per step, in a :class:`Plan`.
+the model state of every rank (to the byte, as the catalog's engines lay it out), the
+activations saved for backward (traced on fake tensors), the largest transient buffer and
+the communication per step, in a :class:`Plan`; :func:`recommend` picks among plans.
 
 **When to measure.** Call :func:`measure_model_state` **after** ``optimizer.step()`` and **before**
 ``optimizer.zero_grad()``. At that point every kind of state exists at once: the
@@ -60,7 +61,7 @@ from fsdp_guide.memory._comm import (
 from fsdp_guide.memory._comm_zero import CommPrediction, predict_communication, root_unit_params
 from fsdp_guide.memory._deepspeed import estimate_deepspeed_state
 from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
-from fsdp_guide.memory._plan import Plan, plan
+from fsdp_guide.memory._plan import Plan, plan, recommend
 from fsdp_guide.memory._report import (
     ComparisonRow,
     communication_table,
@@ -103,6 +104,7 @@ __all__ = [
     "plan",
     "plot_comparison",
     "predict_communication",
+    "recommend",
     "resolve_stage",
     "root_unit_params",
     "rows_as_json",

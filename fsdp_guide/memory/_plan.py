@@ -9,6 +9,10 @@ storages but no data, and :func:`fsdp_guide.wrap.saved_activation_bytes` counts 
 autograd keeps, each storage once, as it does on real tensors. So a 70B-parameter model is
 planned in seconds on a laptop.
 
+The model state is that of each rank, to the byte, as the catalog's engines lay it out
+(:func:`~fsdp_guide.memory._layout.state_per_rank`): whole tensors give uneven optimizer
+shards, flat parameters and FSDP2's row chunks are padded, Adam keeps a step per tensor.
+
 The activations are those of the CPU kernels that fake tensors dispatch to (CPU flash
 attention for ``scaled_dot_product_attention``); CUDA kernels may save other tensors.
 Buffers, the CUDA caching allocator's fragmentation and the framework's own workspace come
@@ -17,6 +21,7 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -25,6 +30,7 @@ from fsdp_guide.catalog._table import StrategySpec, get_strategy
 from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher._checks import check_world_size
 from fsdp_guide.memory._comm_zero import CommPrediction, predict_communication
+from fsdp_guide.memory._layout import state_per_rank
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._trace import (
     BatchBuilder,
@@ -38,8 +44,10 @@ from fsdp_guide.memory._zero import (
     OptimizerName,
     Precision,
     bytes_per_param,
-    estimate_model_state,
 )
+
+#: The most ranks :func:`plan` takes: it keeps a model state per rank.
+MAX_RANKS = 2**20
 
 # DDP's default bucket_cap_mb: the largest gradient bucket all-reduced at once.
 _DDP_BUCKET_BYTES = 25 * 1024 * 1024
@@ -54,13 +62,18 @@ class Plan:
         world_size: Ranks.
         num_params: Parameters of the model (``Ψ``).
         precision: ``"fp32"`` or ``"mixed"``.
-        state: Parameters, gradients and optimizer state per rank after ``optimizer.step()``.
+        state: Parameters, gradients and optimizer state after ``optimizer.step()`` on the
+            fullest rank (the one that must fit).
         activations: Bytes autograd saves for backward in this rank's forward.
         transient: The largest buffer that exists only for a while: FSDP's gathered unit (its
             parameters and unsharded gradients), DDP's gradient bucket.
         transient_kind: What ``transient`` is, in words.
         communication: The communication of one step.
         cpu_offload: Whether the model state lives in CPU memory (FSDP's ``CPUOffload``).
+        ranks: The state of each rank, ``ranks[r]`` for rank ``r``: they differ where the
+            optimizer owns whole tensors or a shard is padded.
+        exact_state: Whether ``ranks`` follow the engine's layout to the byte (``False``:
+            the ZeRO formula, for an engine the planner does not know).
     """
 
     strategy: str
@@ -73,39 +86,57 @@ class Plan:
     transient_kind: str
     communication: CommPrediction
     cpu_offload: bool = False
+    ranks: tuple[ModelState, ...] = ()
+    exact_state: bool = True
+
+    @property
+    def fullest_rank(self) -> int:
+        """The rank whose state is ``state`` (the lowest, when several hold as much)."""
+        return self.ranks.index(self.state) if self.state in self.ranks else 0
 
     @property
     def device_state(self) -> int:
-        """Bytes of model state on the accelerator, none of it with CPU offload."""
+        """Bytes of model state on the accelerator on the fullest rank, none with CPU offload."""
         return 0 if self.cpu_offload else self.state.total
 
     @property
     def total(self) -> int:
-        """Peak bytes on the accelerator, model state plus activations plus the transient buffer."""
+        """Peak bytes on the fullest rank (model state, activations, transient buffer)."""
         return self.device_state + self.activations + self.transient
 
-    def as_dict(self) -> dict[str, int | str | bool]:
-        """The plan as JSON-ready values, bytes as integers.
+    def rank_total(self, rank: int) -> int:
+        """Peak bytes on the accelerator of ``rank``."""
+        state = 0 if self.cpu_offload else self.ranks[rank].total
+        return state + self.activations + self.transient
+
+    def as_dict(self, rank: int | None = None) -> dict[str, int | str | bool]:
+        """The plan of one rank (the fullest by default) as JSON-ready values, bytes as integers.
 
         Examples:
             >>> from fsdp_guide.models import MLP
-            >>> p = plan(MLP(4, 8, 1, 2), batch_size=2, seq_len=1, world_size=2, strategy="ddp")
+            >>> p = plan(MLP(4, 8, 1, 2), batch_size=2, seq_len=1, world_size=2, strategy="zero1")
             >>> p.as_dict()["activations"], p.as_dict()["total"] == p.total
             (128, True)
+            >>> [p.as_dict(r)["optimizer"] for r in range(2)]  # tensors of 32 and 8+16+2 elements
+            [260, 220]
         """
+        index = self.fullest_rank if rank is None else rank
+        state = self.ranks[index] if self.ranks else self.state
         return {
             "strategy": self.strategy,
+            "rank": index,
             "world_size": self.world_size,
             "num_params": self.num_params,
             "precision": self.precision,
             "cpu_offload": self.cpu_offload,
-            **{k: v for k, v in self.state.as_dict().items() if k != "total"},
-            "model_state": self.state.total,
+            **{k: v for k, v in state.as_dict().items() if k != "total"},
+            "model_state": state.total,
+            "exact_state": self.exact_state,
             "activations": self.activations,
             "transient": self.transient,
             "transient_kind": self.transient_kind,
             "communication": self.communication.payload_bytes,
-            "total": self.total,
+            "total": self.rank_total(index) if self.ranks else self.total,
         }
 
 
@@ -165,15 +196,16 @@ def plan(
         A :class:`Plan`.
 
     Raises:
-        PlanError: Unknown strategy, bad sizes, a failing builder, CPU offload with a
-            strategy that does not shard parameters.
+        PlanError: Unknown strategy, bad sizes, more than ``MAX_RANKS`` (2**20) ranks, a failing
+            builder, CPU offload with a strategy that does not shard parameters.
 
     Examples:
         >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
         >>> cfg = TransformerConfig(n_layers=2, dim=32, n_heads=2)
         >>> p = plan(lambda: TinyTransformer(cfg), batch_size=4, seq_len=32, world_size=2,
         ...          strategy="fsdp2")
-        >>> p.state == get_strategy("fsdp2").predict(p.num_params, 2)
+        >>> extra = p.state.total - get_strategy("fsdp2").predict(p.num_params, 2).total
+        >>> extra == 4 * len(list(TinyTransformer(cfg).parameters()))  # Adam's step per tensor
         True
         >>> plan(lambda: TinyTransformer(cfg), batch_size=4, seq_len=32, world_size=2,
         ...      strategy="zero4")
@@ -187,6 +219,10 @@ def plan(
         per = bytes_per_param(precision, optimizer)
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
+    if world_size > MAX_RANKS:  # a state per rank is kept: bound what that costs
+        raise PlanError(
+            f"world_size {world_size:,} is above the {MAX_RANKS:,} ranks plan() handles"
+        )
     check_sizes(batch_size, seq_len)
     if cpu_offload and spec.stage_at_step < 3:
         raise PlanError(
@@ -196,10 +232,9 @@ def plan(
     num_params = sum(p.numel() for p in model.parameters())
     if num_params == 0:
         raise PlanError(f"{type(model).__name__} has no parameters to train")
-    group = spec.shard_group_size(world_size)
-    state = estimate_model_state(
-        num_params, group, spec.stage_at_step, precision, optimizer, full_grads=spec.full_grads
-    )
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    ranks, exact = state_per_rank(spec, shapes, world_size, precision, optimizer)
+    state = max(ranks, key=lambda s: s.total)  # the first of the fullest
     if activations is not None:
         if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
             raise PlanError(f"activations must be an int >= 0 bytes, got {activations!r}")
@@ -214,9 +249,6 @@ def plan(
         )
     largest, root = unit_params(model)
     transient, kind = _transient(spec, per.params, per.grads, num_params, largest)
-    if kind == "ddp":
-        transient = min(_DDP_BUCKET_BYTES, state.grads)
-        kind = "gradient bucket (DDP's 25 MiB cap)"
     dtype = "bf16" if precision == "mixed" else "fp32"
     comm = predict_communication(spec.name, num_params, world_size, dtype, root)
     return Plan(
@@ -230,6 +262,8 @@ def plan(
         kind,
         comm,
         cpu_offload,
+        ranks,
+        exact,
     )
 
 
@@ -243,6 +277,31 @@ def _transient(
         return gathered, "all parameters gathered (forward to backward) + a unit's grads"
     if spec.stage_at_step >= 3:
         return (param_bytes + grad_bytes) * largest, "largest gathered unit (params + grads)"
-    if spec.name in ("ddp", "zero1", "oss"):
-        return 0, "ddp"
-    return 0, "none beyond the state"
+    if spec.engine in ("ddp", "zero", "oss"):
+        # These wrap DDP, which copies gradients into buckets to all-reduce them.
+        return min(_DDP_BUCKET_BYTES, grad_bytes * num_params), "gradient bucket (DDP's 25 MiB cap)"
+    if spec.engine in ("fsdp1", "fairscale_fsdp"):
+        # A flat parameter's gradient is concatenated from its parameters' gradients, which
+        # autograd holds until the unit's last one arrives; the flat gradient is then
+        # all-reduced (NO_SHARD) in place.
+        return grad_bytes * largest, "a unit's gradients before they are flattened"
+    return 0, "none known beyond the state"
+
+
+def recommend(plans: Sequence[Plan], gpu_memory: int, margin: float = 0.1) -> Plan | None:
+    """The plan that fits ``gpu_memory`` less the margin with the least communication per step.
+
+    Ties go to the least memory on the fullest rank, then to the first plan given.
+
+    Examples:
+        >>> from fsdp_guide.models import MLP
+        >>> plans = [plan(MLP(), batch_size=8, seq_len=1, world_size=2, strategy=s)
+        ...          for s in ("ddp", "fsdp_no_shard", "fsdp")]
+        >>> recommend(plans, 10**9).strategy  # both all-reduce; NO_SHARD holds less
+        'fsdp_no_shard'
+        >>> recommend(plans, 2_600_000).strategy, recommend(plans, 10) is None
+        ('fsdp', True)
+    """
+    fitting = [p for p in plans if p.total <= gpu_memory * (1 - margin)]
+    # min() keeps the first of equal keys: the order given breaks exact ties.
+    return min(fitting, key=lambda p: (p.communication.payload_bytes, p.total), default=None)
