@@ -174,6 +174,10 @@ def state_per_rank(
                 )
             states.append(distinct[elements])
         return tuple(states), True
+    if spec.engine == "deepspeed" and (precision, optimizer) == ("fp32", "adam"):
+        # DeepSpeed's own layout (master copy, padded partitions), measured for fp32 Adam.
+        one = spec.predict(total, world_size, numels)
+        return tuple(one for _ in shard_of), True
     formula = estimate_model_state(
         total, group, spec.stage_at_step, precision, optimizer, full_grads=spec.full_grads
     )
