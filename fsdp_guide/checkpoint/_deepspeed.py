@@ -16,9 +16,10 @@ The shards are DeepSpeed's own files, written by ``engine.save_checkpoint`` into
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +186,8 @@ def consolidate_fp32(data: Path, files: list[str]) -> dict[str, torch.Tensor]:
     with torch.serialization.safe_globals(safe_globals()):
         for name in files:
             read_torch(data.parent / name)
-    with _safe_torch_load():
+    # DeepSpeed narrates the conversion (prints and progress bars): our caller reports it.
+    quiet = io.StringIO()
+    with _safe_torch_load(), redirect_stdout(quiet), redirect_stderr(quiet):
         state = get_fp32_state_dict_from_zero_checkpoint(str(data), tag=TAG)
     return {name: tensor.detach().clone() for name, tensor in state.items()}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -30,6 +31,26 @@ def prepare_cpu() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+@contextmanager
+def _linker_probes_silenced() -> Iterator[None]:
+    """Send file descriptor 2 to ``/dev/null`` for a moment, output of child processes included.
+
+    DeepSpeed asks which of its ops this machine could build by compiling small test
+    programs (on the first read of ``deepspeed.ops.__compatible_ops__``); where a library
+    is missing (``libaio`` for NVMe offload) the linker's complaint lands on the terminal,
+    or in a notebook's output, for an op we never use.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def import_deepspeed() -> ModuleType:
     """Import DeepSpeed ready to run here: CPU accelerator without GPUs, no compiled comm op.
 
@@ -50,7 +71,9 @@ def import_deepspeed() -> ModuleType:
     import deepspeed
     import deepspeed.ops
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # The first read of __compatible_ops__ probes every op with the compiler.
+    with _linker_probes_silenced():
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     module: ModuleType = deepspeed
     return module
 

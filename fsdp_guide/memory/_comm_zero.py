@@ -128,18 +128,18 @@ def predict_communication(
 
     What each strategy issues per step (``Ψ`` parameters, ``N`` ranks, shard groups of ``S``):
 
-    ======================================= ============================================ =====
-    strategy                                payload per kind                             paper
-    ======================================= ============================================ =====
-    ``ddp``, ``fsdp_no_shard``, zero0       all-reduce Ψ                                 2Ψ
-    ``zero1``, ``oss``                      all-reduce Ψ, broadcast Ψ                    2Ψ
-    ``sharded_ddp(_buckets)``               reduce Ψ, broadcast Ψ                        2Ψ
-    ``fsdp_grad_op``, zero2                 reduce-scatter Ψ, all-gather Ψ               2Ψ
-    ``fsdp``, ``fsdp2``, FairScale, zero3   reduce-scatter Ψ, all-gather 2Ψ - R          3Ψ
-    ``fsdp_hybrid``                         as ``fsdp`` in groups of S, all-reduce Ψ/S   3Ψ
+    ======================================== ============================================ =====
+    strategy                                 payload per kind                             paper
+    ======================================== ============================================ =====
+    ``ddp``, ``fsdp_no_shard``, zero0        all-reduce Ψ                                 2Ψ
+    ``zero1``, ``oss``                       all-reduce Ψ, broadcast Ψ                    2Ψ
+    ``sharded_ddp(_buckets)``                reduce Ψ, broadcast Ψ                        2Ψ
+    ``fsdp_grad_op``, zero2                  reduce-scatter Ψ, all-gather Ψ               2Ψ
+    ``fsdp``, ``fsdp2``, FairScale, zero3    reduce-scatter Ψ, all-gather 2Ψ - R          3Ψ
+    ``fsdp_hybrid``                          as ``fsdp`` in groups of S, all-reduce Ψ/S   3Ψ
     ``deepspeed_zero1``, ``deepspeed_zero2`` all-reduce Ψ + 1, all-gather Ψ'              2Ψ
-    ``deepspeed_zero3``                     reduce-scatter Ψ, all-gather Ψ, all-reduce 1 3Ψ
-    ======================================= ============================================ =====
+    ``deepspeed_zero3``                      reduce-scatter Ψ, all-gather Ψ, all-reduce 1 3Ψ
+    ======================================== ============================================ =====
 
     ``R`` is the root unit's parameters: FSDP keeps the root unit unsharded from forward to
     backward, so only the other units are gathered twice (``R = Ψ`` when the whole model is
