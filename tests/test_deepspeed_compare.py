@@ -37,3 +37,10 @@ def test_collectives_equal_the_prediction_per_kind(rows: list, name: str) -> Non
         assert measured is not None and measured.complete, measured
         elements = {kind: count.elements for kind, count in measured.kinds.items()}
         assert elements == dict(row.comm_predicted.payload), (name, row.rank)
+
+
+def test_without_tensor_sizes_the_prediction_is_one_tensor_of_all_parameters() -> None:
+    # A RankMeasurement made elsewhere carries no sizes: () must not mean "no parameters".
+    spec = STRATEGIES["deepspeed_zero3"]
+    assert spec.predict(1000, 4, ()) == spec.predict(1000, 4) == spec.predict(1000, 4, [1000])
+    assert spec.predict(1000, 4).params == 4 * 250

@@ -101,7 +101,7 @@ class StrategySpec:
             num_params: Parameters of the model.
             world_size: Number of ranks.
             param_numels: The size of each parameter tensor; DeepSpeed's ZeRO-3 pads each
-                one to a multiple of ``world_size`` (``None``: one tensor of ``num_params``).
+                one to a multiple of ``world_size`` (none or empty: one tensor of ``num_params``).
 
         Examples:
             >>> STRATEGIES["oss"].predict(1000, 2)
@@ -114,7 +114,7 @@ class StrategySpec:
             from fsdp_guide.memory._deepspeed import estimate_deepspeed_state
 
             return estimate_deepspeed_state(
-                list(param_numels) if param_numels is not None else num_params,
+                list(param_numels) if param_numels else num_params,
                 world_size,
                 self.zero_stage,
                 reduce_bucket_size=BUCKET_ELEMENTS,
