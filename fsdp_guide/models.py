@@ -226,7 +226,9 @@ def synthetic_batch(
     return x, x @ w + 0.1 * torch.randn(batch_size, 8, generator=g)
 
 
-def shard_batch(batch: Batch, rank: int, world_size: int) -> Batch:
+def shard_batch(
+    batch: Batch, rank: int, world_size: int, device: torch.device | str | None = None
+) -> Batch:
     """This rank's contiguous slice of a global batch: the ``k`` rows from ``rank * k`` on.
 
     ``k`` is ``batch_size // world_size``. The slices are disjoint and of equal size, so
@@ -234,6 +236,14 @@ def shard_batch(batch: Batch, rank: int, world_size: int) -> Batch:
     whole batch. It is not the split a :class:`~torch.utils.data.DistributedSampler` makes:
     the sampler deals indices out in turn (rank ``r`` gets ``indices[r::world_size]``), so
     the same samples reach other ranks.
+
+    Args:
+        batch: Inputs and targets of the whole step, the same on every rank.
+        rank: This rank.
+        world_size: Number of ranks.
+        device: Where to put the slices, inputs and targets alike: the rank's device
+            (:func:`fsdp_guide.launcher.rank_device`), where the model is. ``None`` leaves
+            them where ``batch`` is.
 
     Raises:
         ValueError: When the batch size does not divide by ``world_size``.
@@ -248,12 +258,17 @@ def shard_batch(batch: Batch, rank: int, world_size: int) -> Batch:
         >>> from torch.utils.data import DistributedSampler
         >>> list(DistributedSampler(range(8), num_replicas=4, rank=1, shuffle=False))
         [1, 5]
+        >>> shard_batch((rows, rows), rank=0, world_size=2, device="meta")[1].device
+        device(type='meta')
     """
     n = batch[0].shape[0]
     if n % world_size:
         raise ValueError(f"batch size {n} does not divide by world_size={world_size}")
     per = n // world_size
-    return batch[0][rank * per : (rank + 1) * per], batch[1][rank * per : (rank + 1) * per]
+    x, y = batch[0][rank * per : (rank + 1) * per], batch[1][rank * per : (rank + 1) * per]
+    if device is None:
+        return x, y
+    return x.to(device), y.to(device)
 
 
 def loss_fn(model: nn.Module, batch: Batch) -> Tensor:

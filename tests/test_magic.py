@@ -201,3 +201,18 @@ def test_an_optimizer_built_before_fsdp2_shard_fails_the_cell_with_the_fix(shell
     assert "Build the optimizer after wrapping" in message
     assert "optimizer.step()" in message  # the user's line, in the rank's traceback
     assert elapsed < 30, elapsed
+
+
+def test_cell_sees_the_rank_device_as_device(shell: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under NCCL rank_device() is the rank's GPU; "meta" stands in for it here, and the forked
+    # ranks inherit the patch, so the cell must get the magic's answer, not a CPU default.
+    import torch
+
+    from fsdp_guide.launcher import magic
+
+    monkeypatch.setattr(magic, "rank_device", lambda: torch.device("meta"))
+    result = shell.run_cell(
+        "%%distributed --world-size 2 --backend gloo --gather where\nwhere = str(device)\n"
+    )
+    assert result.error_in_exec is None, result.error_in_exec
+    assert shell.user_ns["where"] == ["meta", "meta"]

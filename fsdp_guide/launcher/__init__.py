@@ -4,7 +4,8 @@
 line by line with a ``[rankN]`` prefix, and returns each rank's result; when any rank fails,
 it stops them all and raises. :func:`dist_init` joins a process group from the environment
 ``torchrun`` sets. :func:`rank_device` is the device a rank computes on: its GPU under
-NCCL, the CPU under gloo. ``%load_ext fsdp_guide`` registers
+NCCL, the CPU under gloo; :func:`plan_ranks` picks the ranks a lesson starts (every GPU
+when there are two or more, else CPU ranks under gloo). ``%load_ext fsdp_guide`` registers
 :class:`~fsdp_guide.launcher.magic.DistributedMagics`, the ``%%distributed`` cell magic.
 
 Layers, from the caller down: ``_launch`` (:func:`launch` itself), ``_checks`` (its
@@ -13,8 +14,8 @@ torchrun environment), ``_supervisor`` (one loop in the caller's thread: start, 
 collect, stop) with ``_reports`` (what each rank reported, which failure to blame),
 ``_worker`` (what runs inside a rank), ``_process_group`` (joining ``torch.distributed``:
 launched ranks, torchrun, :func:`dist_init`), ``_output`` (whole-line relay), ``magic``
-(the cell magic), ``_orphan`` (a rank dies with its launcher), ``_stacks`` (a
-rank's stack dump, user's frames first), ``_entry`` (a
+(the cell magic), ``_plan`` (ranks and backend for a lesson), ``_orphan`` (a rank dies
+with its launcher), ``_stacks`` (a rank's stack dump, user's frames first), ``_entry`` (a
 collective helper called on some ranks only fails within seconds).
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 from fsdp_guide.errors import CollectiveCallError, LaunchError, LaunchTimeout, RankError
 from fsdp_guide.launcher._checks import in_interactive_session, resolve_backend
 from fsdp_guide.launcher._launch import launch
+from fsdp_guide.launcher._plan import RankPlan, plan_ranks
 from fsdp_guide.launcher._process_group import dist_init, rank_device
 from fsdp_guide.launcher._rendezvous import find_free_port
 
@@ -31,10 +33,12 @@ __all__ = [
     "LaunchError",
     "LaunchTimeout",
     "RankError",
+    "RankPlan",
     "dist_init",
     "find_free_port",
     "in_interactive_session",
     "launch",
+    "plan_ranks",
     "rank_device",
     "resolve_backend",
 ]

@@ -1,8 +1,9 @@
 """The ``%%distributed`` cell magic: run a notebook cell on N ranks.
 
 Load it with ``%load_ext fsdp_guide``. The cell body runs on each rank in a forked copy of
-the kernel, so it sees the notebook's imports and variables, with ``rank`` and
-``world_size`` defined and ``torch.distributed`` initialised. ``--gather NAME`` brings a
+the kernel, so it sees the notebook's imports and variables, with ``rank``,
+``world_size`` and ``device`` (the rank's device: its GPU under NCCL, the CPU under gloo)
+defined and ``torch.distributed`` initialised. ``--gather NAME`` brings a
 variable back into the notebook as a list indexed by rank.
 
 ::
@@ -24,6 +25,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 
 from fsdp_guide.errors import LaunchError, RankError
 from fsdp_guide.launcher._launch import launch
+from fsdp_guide.launcher._process_group import rank_device
 
 __all__ = ["DistributedMagics", "parse_magic_line", "run_cell_on_ranks"]
 
@@ -90,6 +92,7 @@ def _run_cell(
     # We are in a forked child: editing the copied namespace cannot affect the notebook.
     namespace["rank"] = rank
     namespace["world_size"] = world_size
+    namespace["device"] = rank_device()
     exec(code, namespace)
     missing = [name for name in gather if name not in namespace]
     if missing:
