@@ -18,11 +18,13 @@ import inspect
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
 from torch import nn
+
+from fsdp_guide.launcher import RankPlan
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 META = torch.device("meta")
@@ -269,3 +271,35 @@ def test_every_launched_function_is_listed() -> None:
             assert (notebook, name) in listed | NO_TRAINING, (
                 f"{notebook} launches {name}: add it to CASES (or NO_TRAINING)"
             )
+
+
+class _TrainerSpy:
+    """Stands in for ``pl.Trainer``: keeps the arguments a lesson builds it with."""
+
+    calls: ClassVar[list[dict[str, Any]]] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        type(self).calls.append(kwargs)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        RankPlan(world_size=4, backend="nccl", gpus=4),
+        RankPlan(world_size=2, backend="gloo", gpus=1),
+    ],
+    ids=str,
+)
+def test_lightning_lesson_trains_where_the_plan_says(plan: RankPlan) -> None:
+    # Lightning moves the model and each batch to its accelerator's device itself; what
+    # the lesson decides is the accelerator and the number of devices, from plan_ranks().
+    notebook = "07_lightning_strategies.ipynb"
+    with _lesson(notebook, Recorder()) as namespace:
+        namespace["PLAN"], namespace["WORLD_SIZE"] = plan, plan.world_size
+        namespace["pl"] = type(
+            "pl", (), {"Trainer": _TrainerSpy, "seed_everything": lambda *a, **k: None}
+        )
+        _TrainerSpy.calls = []
+        namespace["trainer"]("ddp_sharded_notebook")
+    (options,) = _TrainerSpy.calls
+    assert (options["accelerator"], options["devices"]) == (plan.accelerator, plan.world_size)
