@@ -281,3 +281,92 @@ def test_preparing_deepspeed_in_a_kernel_leaves_no_compiler_noise_in_the_output(
     streams = [o for cell in nb.cells for o in cell.outputs if o.output_type == "stream"]
     assert streams == []
     assert nb.cells[0].outputs[-1]["data"]["text/plain"] == "False"
+
+
+_GLOO_RANK_ON_A_GPU_MACHINE = """
+import os, torch
+torch.cuda.is_available = lambda: True  # a machine with one GPU ...
+torch.cuda.device_count = lambda: 1
+os.environ.pop("DS_ACCELERATOR", None)
+from fsdp_guide.launcher import dist_init, find_free_port
+from fsdp_guide.deepspeed import import_deepspeed
+dist_init(0, 1, backend="gloo", master_port=find_free_port())  # ... whose ranks run on gloo
+deepspeed = import_deepspeed()
+print("accelerator:", deepspeed.get_accelerator().device_name())
+"""
+
+
+def test_a_gloo_rank_uses_the_cpu_accelerator_where_a_gpu_is_visible() -> None:
+    # With one GPU the lessons run 2 CPU ranks under gloo; DeepSpeed's own probe would pick
+    # CUDA there (it sees a GPU), and the engine would not match the rank's tensors.
+    done = subprocess.run(
+        [sys.executable, "-c", _GLOO_RANK_ON_A_GPU_MACHINE],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "accelerator: cpu" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("imported_as", "user_choice", "wanted", "refused"),
+    [
+        ("cuda", None, "cpu", True),  # the parent imported DeepSpeed on CUDA, the rank is gloo
+        ("cpu", None, "cuda", True),
+        ("cpu", None, "cpu", False),
+        ("cuda", "cuda", "cpu", False),  # DS_ACCELERATOR set by the user: their choice
+        ("cuda", None, None, False),  # no process group and a GPU: nothing to compare with
+    ],
+)
+def test_deepspeed_imported_with_another_accelerator_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+    imported_as: str,
+    user_choice: str | None,
+    wanted: str | None,
+    refused: bool,
+) -> None:
+    from types import SimpleNamespace
+
+    from fsdp_guide.deepspeed._engine import _check_accelerator
+
+    accelerator = SimpleNamespace(device_name=lambda: imported_as)
+    fake = SimpleNamespace(get_accelerator=lambda: accelerator)
+    if user_choice is None:
+        monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    else:
+        monkeypatch.setenv("DS_ACCELERATOR", user_choice)
+    if refused:
+        with pytest.raises(RuntimeError, match=f"Set DS_ACCELERATOR={wanted} before"):
+            _check_accelerator(fake, wanted)  # type: ignore[arg-type]
+    else:
+        _check_accelerator(fake, wanted)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("group", "rank_type", "cuda", "expected"),
+    [
+        (True, "cpu", True, "cpu"),  # a gloo rank on a GPU machine
+        (True, "cuda", True, "cuda"),  # an NCCL rank
+        (False, None, False, "cpu"),
+        (False, None, True, None),  # let DeepSpeed probe
+    ],
+)
+def test_rank_accelerator_follows_the_rank_device(
+    monkeypatch: pytest.MonkeyPatch,
+    group: bool,
+    rank_type: str | None,
+    cuda: bool,
+    expected: str | None,
+) -> None:
+    import torch.distributed as dist
+
+    import fsdp_guide.launcher
+    from fsdp_guide.deepspeed import rank_accelerator
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: group)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    if rank_type is not None:
+        monkeypatch.setattr(fsdp_guide.launcher, "rank_device", lambda: torch.device(rank_type))
+    assert rank_accelerator() == expected

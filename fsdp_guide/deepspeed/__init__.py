@@ -9,7 +9,9 @@ importing this package does not import it.
 What it takes to run DeepSpeed on a laptop, and where each step lives:
 
 * :func:`prepare_cpu`: ``DS_ACCELERATOR=cpu`` when no GPU is visible, before DeepSpeed is
-  imported (it picks its accelerator once per process).
+  imported (it picks its accelerator once per process); inside a launched rank
+  :func:`rank_accelerator` decides from the rank's device (a gloo rank uses the CPU even
+  where a GPU is visible).
 * :func:`import_deepspeed`: turns off the shared-memory collectives op that
   ``deepspeed.init_distributed`` would otherwise build with the C++ compiler in every
   process (75 s the first time; a failed init without a compiler).
@@ -37,6 +39,7 @@ from fsdp_guide.deepspeed._engine import (
     initialize,
     is_engine,
     prepare_cpu,
+    rank_accelerator,
 )
 from fsdp_guide.deepspeed._preflight import (
     INSTALL_COMMAND,
@@ -60,5 +63,6 @@ __all__ = [
     "is_engine",
     "preflight",
     "prepare_cpu",
+    "rank_accelerator",
     "zero_config",
 ]

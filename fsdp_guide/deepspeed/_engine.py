@@ -20,7 +20,8 @@ def prepare_cpu() -> None:
 
     DeepSpeed picks its accelerator once, from ``DS_ACCELERATOR`` or by probing for CUDA
     and other devices, and keeps it for the life of the process. A value the user set is
-    left alone.
+    left alone. Inside a launched rank :func:`import_deepspeed` decides from the rank's
+    device instead, so gloo ranks on a machine with a GPU use the CPU accelerator too.
 
     Examples:
         >>> prepare_cpu()
@@ -29,6 +30,41 @@ def prepare_cpu() -> None:
     """
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def rank_accelerator() -> str | None:
+    """The DeepSpeed accelerator this process should use: its rank's device type, if any.
+
+    ``"cuda"`` or ``"cpu"`` inside a process group (from
+    :func:`~fsdp_guide.launcher.rank_device`: a gloo rank computes on the CPU even where a
+    GPU is visible, and DeepSpeed must then not pick CUDA); outside one, ``"cpu"`` when no
+    GPU is visible and ``None`` (let DeepSpeed probe) otherwise.
+
+    Examples:
+        >>> rank_accelerator() in ("cpu", None)  # no process group here
+        True
+    """
+    import torch.distributed as dist
+
+    from fsdp_guide.launcher import rank_device
+
+    if dist.is_available() and dist.is_initialized():
+        return rank_device().type
+    return None if torch.cuda.is_available() else "cpu"
+
+
+def _check_accelerator(deepspeed: ModuleType, wanted: str | None) -> None:
+    """Refuse a DeepSpeed imported earlier with another accelerator than the rank's device."""
+    if wanted is None or os.environ.get("DS_ACCELERATOR") not in (None, wanted):
+        return  # nothing to compare with, or the user chose on purpose
+    name = deepspeed.get_accelerator().device_name()
+    if name != wanted:
+        raise RuntimeError(
+            f"DeepSpeed runs on its {name!r} accelerator in this process but the rank computes "
+            f"on {wanted!r}: DeepSpeed picks its accelerator once, at its first use, and the "
+            f"ranks inherited it. Set DS_ACCELERATOR={wanted} before DeepSpeed is first used "
+            "in the notebook or script, or do not use it there before launching"
+        )
 
 
 @contextmanager
@@ -52,7 +88,9 @@ def _linker_probes_silenced() -> Iterator[None]:
 
 
 def import_deepspeed() -> ModuleType:
-    """Import DeepSpeed ready to run here: CPU accelerator without GPUs, no compiled comm op.
+    """Import DeepSpeed ready to run here: the rank's accelerator, no compiled comm op.
+
+    The accelerator is :func:`rank_accelerator`'s, unless ``DS_ACCELERATOR`` says otherwise.
 
     On CPU, ``deepspeed.init_distributed`` builds its shared-memory collectives op
     (``deepspeed_shm_comm``) with the C++ compiler in every new process: 75 s the first
@@ -64,12 +102,17 @@ def import_deepspeed() -> ModuleType:
 
     Raises:
         MissingRequirementError: DeepSpeed is not installed.
+        RuntimeError: DeepSpeed was imported before, with another accelerator than the
+            rank's device (a forked rank inherits its parent's choice).
     """
     check_installed()
-    if "deepspeed" not in sys.modules:
-        prepare_cpu()
+    wanted = rank_accelerator()
+    if "deepspeed" not in sys.modules and wanted is not None:
+        os.environ.setdefault("DS_ACCELERATOR", wanted)
     import deepspeed
     import deepspeed.ops
+
+    _check_accelerator(deepspeed, wanted)
 
     # The first read of __compatible_ops__ probes every op with the compiler.
     with _linker_probes_silenced():
