@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdp_guide.catalog import STRATEGIES
+from fsdp_guide.catalog import cpu_strategies
 from fsdp_guide.compare import run_comparison
 from fsdp_guide.memory import ComparisonRow
 from fsdp_guide.models import build_model, count_params
@@ -72,7 +72,7 @@ def _summary(rows: list[ComparisonRow], psi: int) -> list[str]:
 
 
 def main() -> None:
-    names = [name for name, spec in STRATEGIES.items() if not spec.needs_cuda]
+    names = cpu_strategies()
     psi = count_params(build_model("transformer"))
     out = [
         "# Communication per rank per step: measured vs predicted",

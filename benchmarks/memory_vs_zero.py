@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdp_guide.catalog import STRATEGIES
+from fsdp_guide.catalog import STRATEGIES, cpu_strategies
 from fsdp_guide.compare import run_comparison
 from fsdp_guide.launcher import launch
 from fsdp_guide.memory import ComparisonRow, ModelState, measure_model_state
@@ -77,7 +77,7 @@ def _summary(rows: list[ComparisonRow]) -> list[str]:
 
 
 def main() -> None:
-    names = [name for name, spec in STRATEGIES.items() if not spec.needs_cuda]
+    names = cpu_strategies()
     n = count_params(build_model("transformer"))
     out = [
         "# Model state per rank: measured vs the ZeRO formulas",

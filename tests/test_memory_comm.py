@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_guide.catalog import STRATEGIES
+from fsdp_guide.catalog import STRATEGIES, cpu_strategies
 from fsdp_guide.compare import run_comparison
 from fsdp_guide.launcher import launch
 from fsdp_guide.memory import (
@@ -32,9 +32,7 @@ from fsdp_guide.models import build_model, count_params, loss_fn, shard_batch, s
 
 # DeepSpeed engines step through engine.backward/engine.step and hold their state in their own
 # buffers: measured and counted in tests/test_deepspeed*.py.
-CPU_STRATEGIES = [
-    name for name, spec in STRATEGIES.items() if not spec.needs_cuda and spec.engine != "deepspeed"
-]
+CPU_STRATEGIES = cpu_strategies(deepspeed=False)
 PSI = count_params(build_model("transformer"))
 
 

@@ -14,16 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_guide.catalog import STRATEGIES, wrap_for_strategy
+from fsdp_guide.catalog import STRATEGIES, cpu_strategies, wrap_for_strategy
 from fsdp_guide.launcher import launch
 from fsdp_guide.memory import measure_model_state
 from fsdp_guide.models import build_model, loss_fn, shard_batch, synthetic_batch
 
 # DeepSpeed engines step through engine.backward/engine.step and hold their state in their own
 # buffers: measured and counted in tests/test_deepspeed*.py.
-CPU_STRATEGIES = [
-    name for name, spec in STRATEGIES.items() if not spec.needs_cuda and spec.engine != "deepspeed"
-]
+CPU_STRATEGIES = cpu_strategies(deepspeed=False)
 PADDING_STRATEGIES = ["fsdp", "fsdp_grad_op", "fsdp_hybrid", "fsdp2"]
 STEP_BYTES = 4  # Adam's fp32 step counter, one per optimized tensor
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_guide.catalog import STRATEGIES, get_strategy, wrap_for_strategy
+from fsdp_guide.catalog import STRATEGIES, cpu_strategies, get_strategy, wrap_for_strategy
 from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher import launch
 from fsdp_guide.memory import (
@@ -38,9 +38,7 @@ from fsdp_guide.models import (
 from fsdp_guide.wrap import checkpoint_layers, saved_activation_bytes
 
 # DeepSpeed engines step through engine.backward/engine.step: see tests/test_deepspeed*.py.
-CPU_STRATEGIES = [
-    name for name, spec in STRATEGIES.items() if not spec.needs_cuda and spec.engine != "deepspeed"
-]
+CPU_STRATEGIES = cpu_strategies(deepspeed=False)
 
 TRANSFORMERS = {
     "demo": (TransformerConfig(), 8, 32),
@@ -180,7 +178,7 @@ def test_no_shard_counts_the_gradients_it_flattens() -> None:
 @pytest.mark.parametrize("dim", [64, 768], ids=["small", "gpt2_width"])
 def test_recommendation_is_least_communication_then_least_memory(dim: int) -> None:
     cfg = TransformerConfig(vocab_size=512, dim=dim, n_heads=4, n_layers=2, seq_len=16)
-    names = [n for n in STRATEGIES if not STRATEGIES[n].needs_cuda]
+    names = cpu_strategies()
     saved = traced_activation_bytes(TinyTransformer(cfg), 1, 16)
     plans = [plan(lambda: TinyTransformer(cfg), batch_size=1, seq_len=16, world_size=4,
                   strategy=n, activations=saved) for n in names]  # fmt: skip

@@ -52,6 +52,7 @@ from fsdp_guide.catalog._table import (
     Requirement,
     StrategySpec,
     check_strategies,
+    cpu_strategies,
     get_strategy,
     resolve_stage,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "SetupContext",
     "StrategySpec",
     "check_strategies",
+    "cpu_strategies",
     "get_strategy",
     "resolve_stage",
     "wrap_for_strategy",
