@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import inspect
 import json
 from collections.abc import Callable, Iterator
@@ -34,19 +35,23 @@ class ReachedLoss(Exception):
     """Raised by the stand-in loss function: the run got as far as its first loss."""
 
 
+@functools.cache
+def _python_cells(notebook: str) -> tuple[ast.Module, ...]:
+    """The notebook's code cells, parsed; cell magics and shell lines are left out."""
+    cells = json.loads((NOTEBOOKS / notebook).read_text())["cells"]
+    sources = ("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
+    return tuple(ast.parse(s) for s in sources if not s.lstrip().startswith(("%", "!")))
+
+
 def _definitions(notebook: str) -> list[tuple[ast.Module, bool]]:
     """The notebook's imports, functions, classes and UPPER_CASE constants, one by one.
 
     Each statement comes with whether it is a constant. Everything else (launches, prints,
     plots) is left out, so executing them is cheap and starts no process.
     """
-    cells = json.loads((NOTEBOOKS / notebook).read_text())["cells"]
     kept: list[tuple[ast.Module, bool]] = []
-    for cell in cells:
-        source = "".join(cell["source"])
-        if cell["cell_type"] != "code" or source.lstrip().startswith(("%", "!")):
-            continue
-        for node in ast.parse(source).body:
+    for cell in _python_cells(notebook):
+        for node in cell.body:
             constant = isinstance(node, ast.Assign) and all(
                 isinstance(target, ast.Name | ast.Tuple)
                 and all(n.id.isupper() for n in ast.walk(target) if isinstance(n, ast.Name))
@@ -230,13 +235,9 @@ def _lesson_function(notebook: str, name: str) -> Callable[..., Any]:
 
 def _launched(notebook: str) -> set[str]:
     """Names of the functions a notebook passes to launch() (first argument)."""
-    cells = json.loads((NOTEBOOKS / notebook).read_text())["cells"]
     names: set[str] = set()
-    for cell in cells:
-        source = "".join(cell["source"])
-        if cell["cell_type"] != "code" or source.lstrip().startswith(("%", "!")):
-            continue
-        for node in ast.walk(ast.parse(source)):
+    for cell in _python_cells(notebook):
+        for node in ast.walk(cell):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)
