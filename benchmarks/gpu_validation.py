@@ -9,9 +9,9 @@ their output) and a JSON file that later calls can be merged with.
 Steps (``--step NAME``, repeatable; ``--all``, the default, runs them in this order):
 
 - ``pytest``: ``python -m pytest -m gpu -q -rfEs --continue-on-collection-errors tests``,
-  every CUDA-marked test (a module that fails to import does not stop the others).
-- ``lightning``: ``gpu/lightning_matrix.py``, ``DDPFullyShardedStrategy`` at ``devices=1``
-  in each mode that seeds 000 and 002 describe.
+  every CUDA-marked test (a module that fails to import does not stop the others); among
+  them ``tests/test_strategies_gpu.py``, ``DDPFullyShardedStrategy`` at ``devices=1`` in
+  each mode that seeds 000 and 002 describe.
 - ``fairscale``: ``gpu/fairscale_checks.py``, ``shard(engine="fairscale")`` trained at world
   size 1 on NCCL through ``fsdp_guide.launch``, and ``fsdp_guide.checkpoint`` save/load
   round trips (full and sharded) for FairScale FSDP.
@@ -24,7 +24,7 @@ Steps (``--step NAME``, repeatable; ``--all``, the default, runs them in this or
 Usage, from the repository root (see ``benchmarks/gpu_run.md`` for the GPU machine)::
 
     PYTHONPATH=$PWD python benchmarks/gpu_validation.py --dry-run
-    PYTHONPATH=$PWD python benchmarks/gpu_validation.py --step pytest --step lightning
+    PYTHONPATH=$PWD python benchmarks/gpu_validation.py --step pytest --step fairscale
     PYTHONPATH=$PWD python benchmarks/gpu_validation.py --merge a.json b.json
     PYTHONPATH=$PWD python benchmarks/gpu_validation.py --copy-cuda-outputs DIR --from-json a.json
 
@@ -45,7 +45,6 @@ from typing import Any
 from gpu import _machine, _notebooks, _report, _runner, _steps
 from gpu._paths import DEFAULT_RESULTS, DEFAULT_WORK_DIR
 from gpu.fairscale_checks import fairscale_checks
-from gpu.lightning_matrix import lightning_matrix
 from gpu.memory_checks import memory_checks
 
 # The budget counts from here: the environment probe before the steps takes time too.
@@ -57,7 +56,6 @@ INTERNAL: dict[str, Callable[[argparse.Namespace], int]] = {
     "notebook": lambda args: _notebooks.run_notebook(
         Path(args.notebook[0]), args.work_dir, args.deadline
     ),
-    "lightning": lambda args: lightning_matrix(args.work_dir),
     "fairscale": lambda args: fairscale_checks(args.work_dir),
     "memory": lambda args: memory_checks(args.work_dir),
 }

@@ -236,7 +236,7 @@ def test_results_survive_json_and_calls_merge() -> None:
         "environment": {**ENV, "torch": "old"},
         "steps": [
             _result("pytest", "failed", counts=output_.Counts(failed=1)).as_json(),
-            _result("lightning", "passed").as_json(),
+            _result("fairscale", "passed").as_json(),
         ],
     }
     second = {
@@ -245,7 +245,7 @@ def test_results_survive_json_and_calls_merge() -> None:
     }
     env, steps = report_.merge_reports([json.loads(json.dumps(r)) for r in (first, second)])
     assert env["torch"] == "2.11.0+cu130" and env["started"] == ENV["started"]
-    assert [(s.name, s.status) for s in steps] == [("pytest", "passed"), ("lightning", "passed")]
+    assert [(s.name, s.status) for s in steps] == [("pytest", "passed"), ("fairscale", "passed")]
     assert steps[0].counts == output_.Counts(passed=28)
 
 
@@ -391,7 +391,7 @@ def test_dry_run_prints_the_plan_without_running_anything(
     out = capsys.readouterr().out
     pytest_line = "- pytest [serial, limit 330 s]: python -m pytest -m gpu -q -rfEs"
     assert pytest_line + " --continue-on-collection-errors tests" in out
-    assert "notebook 07_" in out and "notebook 04_" not in out and "- lightning" not in out
+    assert "notebook 07_" in out and "notebook 04_" not in out and "- fairscale" not in out
     assert gv.main(["--dry-run"]) == 0
     out = capsys.readouterr().out
     for name in steps_.STEP_NAMES[:-1]:

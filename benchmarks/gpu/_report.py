@@ -17,7 +17,7 @@ class StepResult:
     """What one step did.
 
     Attributes:
-        name: Step name (``pytest``, ``lightning``, ``notebook 04_...``).
+        name: Step name (``pytest``, ``fairscale``, ``notebook 04_...``).
         command: The command, as shown in the report.
         limit: Seconds it was allowed.
         status: ``passed``, ``failed``, ``timed out`` or ``not run``.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ._paths import REPO, SCRIPT
 
-STEP_NAMES = ("pytest", "lightning", "fairscale", "memory", "notebooks")
+STEP_NAMES = ("pytest", "fairscale", "memory", "notebooks")
 # A test module that fails to import on the GPU image must not stop the others' GPU tests.
 PYTEST_ARGS = (
     "-m",
@@ -23,7 +23,7 @@ PYTEST_ARGS = (
     "tests",
 )
 # Seconds each step may run; a step is also cut to what is left of --budget.
-TIME_LIMITS = {"pytest": 330.0, "lightning": 180.0, "fairscale": 150.0, "memory": 150.0}
+TIME_LIMITS = {"pytest": 330.0, "fairscale": 150.0, "memory": 150.0}
 NOTEBOOK_LIMIT = 300.0
 # A notebook's own deadline ends this much before its subprocess is killed, so that nbclient
 # stops the kernel (and the ranks it forked) itself.
@@ -62,9 +62,9 @@ def build_plan(
     """The subprocesses that run ``steps``, in the order of :data:`STEP_NAMES`.
 
     Examples:
-        >>> plan = build_plan(["lightning", "pytest"], Path("/tmp/w"), [])
+        >>> plan = build_plan(["memory", "pytest"], Path("/tmp/w"), [])
         >>> [(s.name, s.limit) for s in plan]
-        [('pytest', 330.0), ('lightning', 180.0)]
+        [('pytest', 330.0), ('memory', 150.0)]
         >>> plan[0].command
         'python -m pytest -m gpu -q -rfEs --continue-on-collection-errors tests'
     """
