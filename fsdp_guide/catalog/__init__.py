@@ -52,7 +52,6 @@ from fsdp_guide.catalog._table import (
     Requirement,
     StrategySpec,
     check_strategies,
-    cpu_strategies,
     get_strategy,
     resolve_stage,
 )
@@ -103,3 +102,23 @@ def wrap_for_strategy(
     device = torch.device("cuda", torch.cuda.current_device()) if spec.needs_cuda else rank_device()
     context = SetupContext(device=device, world_size=world_size, lr=lr)
     return spec.setup(model.to(device), context)
+
+
+def cpu_strategies(*, deepspeed: bool = True) -> list[str]:
+    """The catalog's names that run on CPU ranks under gloo, in catalog order.
+
+    Args:
+        deepspeed: Include the DeepSpeed stages (they need the ``deepspeed`` extra, and an
+            engine steps through ``engine.backward``/``engine.step``).
+
+    Examples:
+        >>> "fairscale_fsdp" in cpu_strategies()  # FairScale's FSDP needs CUDA
+        False
+        >>> [n for n in cpu_strategies(deepspeed=False) if n.startswith("deepspeed")]
+        []
+    """
+    return [
+        name
+        for name, spec in STRATEGIES.items()
+        if not spec.needs_cuda and (deepspeed or spec.engine != "deepspeed")
+    ]

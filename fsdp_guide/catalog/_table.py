@@ -282,26 +282,6 @@ DEFAULT_STRATEGIES: tuple[str, ...] = ("ddp", "oss", "sharded_ddp", "fsdp", "fsd
 _BY_ALIAS: dict[str, str] = {a: s.name for s in STRATEGIES.values() for a in s.aliases}
 
 
-def cpu_strategies(*, deepspeed: bool = True) -> list[str]:
-    """The catalog's names that run on CPU ranks under gloo, in catalog order.
-
-    Args:
-        deepspeed: Include the DeepSpeed stages (they need the ``deepspeed`` extra, and an
-            engine steps through ``engine.backward``/``engine.step``).
-
-    Examples:
-        >>> "fairscale_fsdp" in cpu_strategies()  # FairScale's FSDP needs CUDA
-        False
-        >>> [n for n in cpu_strategies(deepspeed=False) if n.startswith("deepspeed")]
-        []
-    """
-    return [
-        name
-        for name, spec in STRATEGIES.items()
-        if not spec.needs_cuda and (deepspeed or spec.engine != "deepspeed")
-    ]
-
-
 def _choices() -> str:
     return ", ".join(STRATEGIES)
 
