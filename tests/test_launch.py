@@ -450,3 +450,23 @@ def test_rendezvous_port_is_bound_by_us_not_probed(
     monkeypatch.setattr(sys.modules["fsdp_guide.launcher._rendezvous"], "find_free_port", no_probe)
     results = launch(targets.world_info, 2, backend="gloo", start_method=start_method)  # type: ignore[arg-type]
     assert [r["rank_sum"] for r in results] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_garbage_of_the_function_is_freed_on_the_main_thread_before_the_group_goes(
+    tmp_path: Path, start_method: str
+) -> None:
+    # A DDP reducer left in a reference cycle holds the process group. Freed later by a
+    # collection that runs on gloo's thread (a Python comm-hook callback allocating), it can
+    # destroy the group there, and the group's destructor joins that very thread: SIGABRT,
+    # "Resource deadlock avoided". The launcher collects first, on the main thread.
+    launch(
+        targets.leave_cyclic_garbage,
+        2,
+        args=(str(tmp_path),),
+        backend="gloo",
+        start_method=start_method,
+        timeout=60,
+    )
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}").read_text() == "main, group"
