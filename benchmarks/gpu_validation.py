@@ -10,7 +10,7 @@ Steps (``--step NAME``, repeatable; ``--all``, the default, runs them in this or
 
 - ``pytest``: ``python -m pytest -m gpu -q -rfEs --continue-on-collection-errors tests``,
   every CUDA-marked test (a module that fails to import does not stop the others); among
-  them ``tests/test_strategies_gpu.py``, ``DDPFullyShardedStrategy`` at ``devices=1`` in
+  them ``tests/gpu/test_strategies_gpu.py``, ``DDPFullyShardedStrategy`` at ``devices=1`` in
   each mode that seeds 000 and 002 describe.
 - ``fairscale``: ``gpu/fairscale_checks.py``, ``shard(engine="fairscale")`` trained at world
   size 1 on NCCL through ``fsdp_guide.launch``, and ``fsdp_guide.checkpoint`` save/load

@@ -5,7 +5,7 @@ what they printed (:mod:`._output`, :mod:`._report`) with the machine they ran o
 (:mod:`._machine`). The steps that are not pytest re-invoke the script, which runs one of
 :mod:`.fairscale_checks`, :mod:`.memory_checks` or a notebook (:mod:`._notebooks`) in
 that subprocess. Lightning's ``DDPFullyShardedStrategy`` is covered by the ``gpu``-marked
-tests in ``tests/test_strategies_gpu.py``, which the pytest step runs.
+tests in ``tests/gpu/test_strategies_gpu.py``, which the pytest step runs.
 
 The script imports this package as ``gpu``, from its own directory: FairScale installs a
 top-level package named ``benchmarks``, which hides ``benchmarks.gpu``. Only the standard

@@ -351,9 +351,11 @@ launch(launch_targets.raise_on, args=(1,), timeout=20)  # rank 1 raises: fail, n
 
 def test_under_torchrun_runs_in_process_and_every_rank_gets_all_results(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text(TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path)))
+    script.write_text(
+        TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parents[1] / "helpers"), out=str(tmp_path))
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
     port = fsdp_guide.find_free_port()
     t0 = time.monotonic()
     proc = subprocess.run(

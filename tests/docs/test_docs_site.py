@@ -32,7 +32,7 @@ import pytest
 import fsdp_guide
 from fsdp_guide.cli import build_parser
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 SITE = DOCS / "_build" / "html"
 NOTEBOOKS = REPO / "notebooks"

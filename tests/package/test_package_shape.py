@@ -13,7 +13,7 @@ import pytest
 
 import fsdp_guide
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "fsdp_guide"
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 MAX_LINES = 400

@@ -28,7 +28,7 @@ from fsdp_guide.errors import MissingRequirementError
 from fsdp_guide.launcher import launch
 from fsdp_guide.models import build_model, loss_fn, synthetic_batch
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1] / "helpers"
 DEEPSPEED = [name for name, spec in STRATEGIES.items() if spec.engine == "deepspeed"]
 STEPS = 3
 

@@ -244,7 +244,7 @@ def test_popen_launcher_trains_boring_model_from_a_script(tmp_path: Path) -> Non
         "sys.stdout.write(f'RANK {trainer.global_rank} STEPS {trainer.global_step} {name}\\n')\n"
         "sys.stdout.flush()\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "helpers")}
     done = subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=150
     )

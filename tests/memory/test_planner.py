@@ -37,7 +37,7 @@ from fsdp_guide.models import (
 )
 from fsdp_guide.wrap import checkpoint_layers, saved_activation_bytes
 
-# DeepSpeed engines step through engine.backward/engine.step: see tests/test_deepspeed*.py.
+# DeepSpeed engines step through engine.backward/engine.step: see tests/deepspeed/.
 CPU_STRATEGIES = cpu_strategies(deepspeed=False)
 
 TRANSFORMERS = {
@@ -143,7 +143,7 @@ def test_ranks_stay_near_the_formula_and_share_the_optimizer(name: str, precisio
         optimizer = sum(s.optimizer for s in got.ranks)
         assert optimizer == bytes_per_param(precision).optimizer * got.num_params + 4 * tensors
     elif spec.engine == "deepspeed" and precision == "fp32":
-        # DeepSpeed's own layout, measured in tests/test_deepspeed_compare.py.
+        # DeepSpeed's own layout, measured in tests/deepspeed/test_deepspeed_compare.py.
         numels = [p.numel() for p in model.parameters()]
         assert got.exact_state
         assert all(s == spec.predict(got.num_params, 4, numels) for s in got.ranks)

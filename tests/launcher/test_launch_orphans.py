@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(120)
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1] / "helpers"
 
 # A stand-in for a kernel: it listens on five ports, then launches ranks that block.
 _PARENT = textwrap.dedent(

@@ -31,7 +31,7 @@ from fsdp_guide.memory import (
 from fsdp_guide.models import build_model, count_params, loss_fn, shard_batch, synthetic_batch
 
 # DeepSpeed engines step through engine.backward/engine.step and hold their state in their own
-# buffers: measured and counted in tests/test_deepspeed*.py.
+# buffers: measured and counted in tests/deepspeed/.
 CPU_STRATEGIES = cpu_strategies(deepspeed=False)
 PSI = count_params(build_model("transformer"))
 

@@ -17,7 +17,7 @@ from typing import ClassVar
 import pytest
 from test_docs_site import site  # noqa: F401  (the fixture that builds the site)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # The docs extensions, importable as Sphinx has them (docs/conf.py puts docs/_ext on the path).
 sys.path.insert(0, str(REPO / "docs" / "_ext"))
 from fsdp_links import documented_on, lesson_imports  # noqa: E402

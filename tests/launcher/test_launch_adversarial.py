@@ -316,7 +316,7 @@ def test_launches_from_several_threads_at_once_each_get_their_own_results() -> N
     # fork launches and torch workloads, forking from several threads at once has crashed
     # the child inside os.fork() itself (SIGSEGV in the after-fork handlers, not in our
     # code). launch's docstring advises one launching thread at a time.
-    script = CONCURRENT_LAUNCHES.format(tests=str(Path(__file__).parent))
+    script = CONCURRENT_LAUNCHES.format(tests=str(Path(__file__).parents[1] / "helpers"))
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=90

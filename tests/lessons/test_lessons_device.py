@@ -27,7 +27,7 @@ from torch import nn
 
 from fsdp_guide.launcher import RankPlan
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 META = torch.device("meta")
 
 

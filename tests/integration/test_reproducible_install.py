@@ -22,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - CI runs 3.11
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONSTRAINTS = "requirements/constraints.txt"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 # Tools a user of the library never needs: none may come with ``pip install -e .``.

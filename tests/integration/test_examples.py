@@ -12,7 +12,7 @@ import pytest
 
 from fsdp_guide.launcher import find_free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PLAIN = ROOT / "examples" / "fsdp2_train.py"
 HELPERS = ROOT / "examples" / "fsdp2_train_fsdp_guide.py"
 LOSS = re.compile(r"step (\d+): loss ([0-9.]+)")

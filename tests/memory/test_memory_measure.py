@@ -20,7 +20,7 @@ from fsdp_guide.memory import measure_model_state
 from fsdp_guide.models import build_model, loss_fn, shard_batch, synthetic_batch
 
 # DeepSpeed engines step through engine.backward/engine.step and hold their state in their own
-# buffers: measured and counted in tests/test_deepspeed*.py.
+# buffers: measured and counted in tests/deepspeed/.
 CPU_STRATEGIES = cpu_strategies(deepspeed=False)
 PADDING_STRATEGIES = ["fsdp", "fsdp_grad_op", "fsdp_hybrid", "fsdp2"]
 STEP_BYTES = 4  # Adam's fp32 step counter, one per optimized tensor

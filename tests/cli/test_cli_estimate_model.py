@@ -61,7 +61,7 @@ def test_gpu_memory_fits_and_recommends_the_least_communication(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     cfg = {"vocab_size": 32000, "dim": 4096, "n_heads": 32, "n_layers": 32, "seq_len": 2048}
-    args = ["estimate", "--model", "tests.test_cli_estimate_model:gpt", "--world-size", "8"]
+    args = ["estimate", "--model", f"{__name__}:gpt", "--world-size", "8"]
     args += [a for k, v in cfg.items() for a in ("--model-arg", f"{k}={v}")]
     args += ["--activation-checkpointing", "--gpu-memory", "80GB"]
     assert main(args) == 0
@@ -121,7 +121,7 @@ def test_bad_input_one_line_exit_2(
         ("fsdp_guide.models", "argument --model: must be package.module:name"),
         ("no_such_pkg.mod:build", "cannot import 'no_such_pkg.mod'"),
         ("fsdp_guide.models:nothing", "module fsdp_guide.models has no attribute 'nothing'"),
-        ("tests.test_cli_estimate_model:_boom", "the model builder raised RuntimeError: no such"),
+        (f"{__name__}:_boom", "the model builder raised RuntimeError: no such"),
         ("fsdp_guide.models:count_params", "the model builder raised TypeError"),
     ],
 )
