@@ -23,8 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fsdp_guide.catalog import cpu_strategies
-from fsdp_guide.compare import run_comparison
-from fsdp_guide.memory import ComparisonRow
+from fsdp_guide.compare import ComparisonRow, run_comparison
 from fsdp_guide.models import build_model, count_params
 
 WORLD_SIZES = (2, 4)

@@ -22,9 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fsdp_guide.catalog import STRATEGIES, cpu_strategies
-from fsdp_guide.compare import run_comparison
+from fsdp_guide.compare import ComparisonRow, run_comparison
+from fsdp_guide.engines import engine_for
 from fsdp_guide.launcher import launch
-from fsdp_guide.memory import ComparisonRow, ModelState, measure_model_state
+from fsdp_guide.memory import ModelState, measure_model_state, predict_model_state
 from fsdp_guide.models import build_model, count_params, loss_fn, shard_batch, synthetic_batch
 
 WORLD_SIZES = (2, 4)
@@ -58,12 +59,12 @@ def _summary(rows: list[ComparisonRow]) -> list[str]:
     ]
     for name in dict.fromkeys(row.strategy for row in rows):
         mine = [row for row in rows if row.strategy == name]
-        spec = STRATEGIES[name]
+        spec, engine = STRATEGIES[name], engine_for(name)
         totals = [row.measured.total / 1e6 for row in mine]
         ratios = [row.ratio for row in mine]
-        used = f"stage {spec.stage_at_step}" + (", full grads" if spec.full_grads else "")
-        if spec.hybrid:
-            used += f", N={spec.shard_group_size(mine[0].world_size)}"
+        used = f"stage {engine.stage_at_step}" + (", full grads" if engine.full_grads else "")
+        if getattr(engine, "shard_group", None):  # sharded in groups, replicated across them
+            used += f", N={engine.shard_group_size(mine[0].world_size)}"
         low, high = f"{min(totals):.3f}", f"{max(totals):.3f}"
         measured = low if low == high else f"{low} to {high}"
         times = [row.step_time_s for row in mine if row.step_time_s is not None]  # all timed
@@ -105,7 +106,7 @@ def main() -> None:
                 backend="gloo",
                 start_method="fork",
             )
-            predicted = STRATEGIES[name].predict(n, world_size).total
+            predicted = predict_model_state(name, n, world_size).total
             ratios = ", ".join(f"{s.total / predicted:.4f}" for s in states)
             shards = ", ".join(f"{s.optimizer / 1e6:.3f}" for s in states)
             out.append(

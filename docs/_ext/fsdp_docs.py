@@ -192,6 +192,7 @@ API_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "fsdp_guide.launcher",
             "fsdp_guide.memory",
+            "fsdp_guide.comm",
             "fsdp_guide.wrap",
             "fsdp_guide.checkpoint",
             "fsdp_guide.strategies",
@@ -200,7 +201,7 @@ API_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (
         "Strategies, comparison, command line",
-        ("fsdp_guide.catalog", "fsdp_guide.compare", "fsdp_guide.cli"),
+        ("fsdp_guide.catalog", "fsdp_guide.engines", "fsdp_guide.compare", "fsdp_guide.cli"),
     ),
     (
         "Supporting modules",

@@ -25,10 +25,10 @@ STRATEGIES = ("ddp", "zero1", "sharded_ddp", "fsdp_grad_op", "fsdp")
 # What the table depends on: a change to any of these plans it again.
 _SOURCES = (
     "fsdp_guide/memory/_plan.py",
-    "fsdp_guide/memory/_layout.py",
+    "fsdp_guide/memory/_predict.py",
     "fsdp_guide/memory/_trace.py",
     "fsdp_guide/memory/_zero.py",
-    "fsdp_guide/memory/_comm_zero.py",
+    "fsdp_guide/comm/_predict.py",
     "fsdp_guide/catalog/_table.py",
     "fsdp_guide/models.py",
     "fsdp_guide/wrap/_activations.py",
@@ -37,7 +37,8 @@ _SOURCES = (
 
 def _key(repo: Path) -> str:
     digest = hashlib.sha256(Path(__file__).read_bytes())
-    for name in _SOURCES:
+    engines = sorted(str(p.relative_to(repo)) for p in (repo / "fsdp_guide/engines").glob("*.py"))
+    for name in (*_SOURCES, *engines):  # every engine lays its state out and plans its step
         digest.update((repo / name).read_bytes())
     return digest.hexdigest()[:16]
 

@@ -69,6 +69,8 @@ from __future__ import annotations
 
 from fsdp_guide.checkpoint._api import consolidate, load, save
 from fsdp_guide.checkpoint._detect import Strategy, detect_strategy
-from fsdp_guide.errors import CheckpointError
 
-__all__ = ["CheckpointError", "Strategy", "consolidate", "detect_strategy", "load", "save"]
+# Documented in fsdp_guide.errors; still importable from here, as before.
+from fsdp_guide.errors import CheckpointError as CheckpointError
+
+__all__ = ["Strategy", "consolidate", "detect_strategy", "load", "save"]

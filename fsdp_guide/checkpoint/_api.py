@@ -33,7 +33,7 @@ from fsdp_guide.checkpoint._state import (
     set_full_state,
 )
 from fsdp_guide.errors import CheckpointError
-from fsdp_guide.launcher._entry import every_rank_enters
+from fsdp_guide.launcher import every_rank_enters
 
 CheckpointKind = Literal["full", "sharded"]
 

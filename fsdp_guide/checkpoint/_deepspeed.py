@@ -178,7 +178,7 @@ def consolidate_fp32(data: Path, files: list[str]) -> dict[str, torch.Tensor]:
     Returns:
         Parameter name to fp32 tensor, as in the unwrapped model's ``state_dict()``.
     """
-    from fsdp_guide.deepspeed._engine import import_deepspeed
+    from fsdp_guide.deepspeed import import_deepspeed
 
     import_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -8,10 +8,10 @@ from typing import Literal
 import torch
 from torch import nn
 
-from fsdp_guide.catalog._table import Engine
+from fsdp_guide.catalog import EngineName as Engine
 
 #: What :func:`detect_strategy` returns: the *engine* of the catalog's strategies (every FSDP1
-#: sharding strategy is ``"fsdp1"``, ``zero1`` is built on ``"zero"``), or ``"module"`` for an
+#: sharding strategy is ``"fsdp1"``), or ``"module"`` for an
 #: unwrapped model. A checkpoint depends on the wrapper, not on how it was configured.
 Strategy = Literal["module"] | Engine
 # The engines that shard parameters: their checkpoints can be written shard by shard.
@@ -44,7 +44,7 @@ def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
             apart from DDP by it.
 
     Returns:
-        ``"module"`` or the catalog engine name (``"ddp"``, ``"zero"``, ``"oss"``,
+        ``"module"`` or the catalog engine name (``"ddp"``, ``"zero1"``, ``"oss"``,
         ``"sharded_ddp"``, ``"fsdp1"``, ``"fsdp2"``, ``"fairscale_fsdp"``, ``"deepspeed"``).
 
     Raises:
@@ -62,7 +62,7 @@ def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    from fsdp_guide.deepspeed._engine import is_engine
+    from fsdp_guide.deepspeed import is_engine
 
     if is_engine(model):
         return "deepspeed"
@@ -83,7 +83,7 @@ def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     if fairscale is not None and isinstance(optimizer, fairscale[2]):
         return "oss"
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        return "zero"
+        return "zero1"
     if isinstance(model, DistributedDataParallel):
         return "ddp"
     return "module"

@@ -148,7 +148,7 @@ def _consolidate_on_every_rank(
     """The whole position-keyed state of a ZeRO or OSS optimizer, on every rank (collective)."""
     import torch.distributed as dist
 
-    if strategy != "zero":
+    if strategy != "zero1":
         # FairScale: recipient -1 materialises the whole state on every rank.
         optimizer.consolidate_state_dict(recipient_rank=-1)  # type: ignore[attr-defined]
         return optimizer.state_dict()
@@ -198,7 +198,7 @@ def get_full_state(
         on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         return on_host, gathered
     position_keyed = None
-    if optimizer is not None and strategy in ("zero", "oss", "sharded_ddp"):
+    if optimizer is not None and strategy in ("zero1", "oss", "sharded_ddp"):
         position_keyed = _consolidate_on_every_rank(optimizer, strategy)
     model_state = dict(unwrap(model).state_dict())
     if optimizer is None:

@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from fsdp_guide.errors import CommandError
+from fsdp_guide.errors import CommandError as CommandError  # documented in fsdp_guide.errors
 
-__all__ = ["CommandError", "build_parser", "main"]
+__all__ = ["build_parser", "main"]
 
 # Modules that define ``add_parser(subparsers)``; each sets ``func`` on its sub-parser.
 _COMMANDS: tuple[str, ...] = (

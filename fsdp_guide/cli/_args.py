@@ -71,7 +71,7 @@ def positive_size(text: str) -> int:
         ...
         argparse.ArgumentTypeError: must be positive, got '0GB'
     """
-    from fsdp_guide.memory._zero import parse_size
+    from fsdp_guide.memory import parse_size
 
     try:
         size = parse_size(text)

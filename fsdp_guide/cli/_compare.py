@@ -95,10 +95,8 @@ def _check_output_path(option: str, path: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fsdp_guide.cli import CommandError
-    from fsdp_guide.compare._runs import run_comparison
-    from fsdp_guide.errors import LaunchError
-    from fsdp_guide.memory._report import comparison_table, plot_comparison, rows_as_json
+    from fsdp_guide.compare import comparison_table, plot_comparison, rows_as_json, run_comparison
+    from fsdp_guide.errors import CommandError, LaunchError
 
     try:
         world_size, steps, batch_size = args.world_size, args.steps, args.batch_size

@@ -19,7 +19,7 @@ def add_parser(sub: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from fsdp_guide.examples import hello
-    from fsdp_guide.launcher._launch import launch
+    from fsdp_guide.launcher import launch
 
     results = launch(hello, world_size=args.world_size, backend="gloo")
     print(f"launched {len(results)} ranks; rank sums: {[r['rank_sum'] for r in results]}")

@@ -14,7 +14,7 @@ from fsdp_guide.cli._args import (
     key_value,
     positive_size,
 )
-from fsdp_guide.memory._zero import OptimizerName, Precision
+from fsdp_guide.memory import OptimizerName, Precision
 
 _SHARDS = ("nothing", "optimizer state", "+ gradients", "+ parameters")
 
@@ -23,11 +23,7 @@ def _strategies_of_stage(stage: int) -> str:
     """Names of the catalog at a stage; variants of one mechanism (buckets, hybrid, offload) out."""
     from fsdp_guide.catalog import STRATEGIES
 
-    names = [
-        s.name
-        for s in STRATEGIES.values()
-        if s.zero_stage == stage and not (s.full_grads or s.hybrid or s.offload)
-    ]
+    names = [s.name for s in STRATEGIES.values() if s.zero_stage == stage and not s.variant_of]
     return ", ".join(names)
 
 
@@ -112,7 +108,8 @@ def estimate_table(
         2      + gradients      sharded_ddp, fsdp_grad_op, deepspeed_zero2    15.00 GB  0.23 GB ...
         3      + parameters     fsdp, fsdp2, fairscale_fsdp, deepspeed_zero3  0.23 GB   0.23 GB ...
     """
-    from fsdp_guide.memory._zero import bytes_per_param, estimate_model_state, format_bytes
+    from fsdp_guide.compare import text_table
+    from fsdp_guide.memory import bytes_per_param, estimate_model_state, format_bytes
 
     per = bytes_per_param(precision, optimizer)  # type: ignore[arg-type]
     header = ["stage", "shards", "strategies", "params", "grads", "optimizer", "total"]
@@ -128,13 +125,11 @@ def estimate_table(
         if gpu_memory is not None:
             cells.append("yes" if state.total <= gpu_memory else "no")
         rows.append(cells)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     title = (
         f"{num_params / 1e9:.2f}B parameters on {world_size} ranks, {precision} precision, "
         f"{optimizer}: {per.params} + {per.grads} + {per.optimizer} bytes per parameter"
     )
-    return "\n".join([title, *lines])
+    return "\n".join([title, text_table(rows)])
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -55,16 +55,11 @@ def _checkpointing(value: str | None) -> Any:
     return layer
 
 
-def _fits(total: int, gpu_memory: int, margin: float) -> bool:
-    return total <= gpu_memory * (1 - margin)
-
-
 def run_model(args: argparse.Namespace) -> int:
     """Plan ``args.model`` for each strategy; print a table (or JSON) and a recommendation."""
     from fsdp_guide.catalog import STRATEGIES
     from fsdp_guide.errors import PlanError
-    from fsdp_guide.memory._plan import Plan, plan
-    from fsdp_guide.memory._trace import build_on_meta, traced_activation_bytes
+    from fsdp_guide.memory import Plan, build_on_meta, plan, traced_activation_bytes
 
     builder = load_builder(args.model, dict(args.model_arg or []))
     checkpointing = _checkpointing(args.activation_checkpointing)
@@ -104,7 +99,7 @@ def run_model(args: argparse.Namespace) -> int:
             for rank in range(p.world_size):  # ranks differ: whole-tensor and padded shards
                 row: dict[str, Any] = p.as_dict(rank)
                 if args.gpu_memory is not None:
-                    row["fits"] = _fits(p.rank_total(rank), args.gpu_memory, args.margin)
+                    row["fits"] = p.fits(args.gpu_memory, args.margin, rank=rank)
                 rows.append(row)
         print(json.dumps(rows, indent=1))
         return 0
@@ -131,8 +126,8 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
         fsdp      0.28 MB  0.28 MB  0.57 MB    0.03 MB      1.14 MB    2.30 MB  1.14 MB    yes
         recommended: fsdp (fits 2.60 MB with 10% margin, least communication)
     """
-    from fsdp_guide.memory._plan import recommend
-    from fsdp_guide.memory._zero import format_bytes
+    from fsdp_guide.compare import text_table
+    from fsdp_guide.memory import format_bytes, recommend
 
     largest = max(p.total for p in plans)
     unit = "GB" if largest >= 1e8 else "MB" if largest >= 1e5 else "KB"
@@ -146,16 +141,14 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
         values = (*state, p.activations, p.transient, p.total, p.communication.payload_bytes)
         cells = [p.strategy, *(format_bytes(v, unit) for v in values)]
         if gpu_memory is not None:
-            cells.append("yes" if _fits(p.total, gpu_memory, margin) else "no")
+            cells.append("yes" if p.fits(gpu_memory, margin) else "no")
         rows.append(cells)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     first = plans[0]
     title = (
         f"{first.num_params:,} parameters on {first.world_size} ranks, {first.precision} "
         "precision; bytes on the fullest rank"
     )
-    out = [title, *lines]
+    out = [title, text_table(rows)]
     if gpu_memory is not None:
         best = recommend(plans, gpu_memory, margin)
         size = format_bytes(gpu_memory).replace(".00", "")

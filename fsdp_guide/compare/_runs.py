@@ -17,21 +17,18 @@ from typing import Literal
 
 import torch
 
-from fsdp_guide.catalog import STRATEGIES, check_strategies, wrap_for_strategy
-from fsdp_guide.deepspeed._engine import backward_and_step, is_engine
-from fsdp_guide.launcher._checks import check_world_size
-from fsdp_guide.launcher._launch import launch
+from fsdp_guide.catalog import check_strategies
+from fsdp_guide.comm import CommStats, count_collectives, predict_communication
+from fsdp_guide.compare._report import ComparisonRow
+from fsdp_guide.engines import engine_for, wrap_for_strategy
+from fsdp_guide.launcher import check_world_size, launch
 from fsdp_guide.memory import (
-    CommStats,
+    ModelState,
     PeakMemory,
-    count_collectives,
     measure_model_state,
     peak_memory,
-    predict_communication,
-    root_unit_params,
+    predict_model_state,
 )
-from fsdp_guide.memory._report import ComparisonRow
-from fsdp_guide.memory._state import ModelState
 from fsdp_guide.models import (
     ModelName,
     build_model,
@@ -90,8 +87,9 @@ def train_and_measure(
     Runs on a launched rank (``launch(train_and_measure, world_size, args=(...))``).
     Every rank builds the same seeded model and takes its slice of the same global batch,
     so the losses of all strategies can be compared. The state is measured after the last
-    ``optimizer.step()``, before ``zero_grad()``. A DeepSpeed engine steps through
-    :func:`~fsdp_guide.deepspeed.backward_and_step` (``engine.backward``, ``engine.step``).
+    ``optimizer.step()``, before ``zero_grad()``. The strategy's engine takes each step
+    (:meth:`~fsdp_guide.engines.Engine.train_step`: a DeepSpeed engine steps through
+    ``engine.backward`` and ``engine.step``).
 
     Args:
         rank: This rank.
@@ -101,7 +99,7 @@ def train_and_measure(
         steps: Training steps (at least 1).
         batch_size: Global batch size; must divide by ``world_size``.
         count_comm: Count the collectives of the last step
-            (:func:`~fsdp_guide.memory.count_collectives`).
+            (:func:`~fsdp_guide.comm.count_collectives`).
 
     Returns:
         This rank's :class:`RankMeasurement`.
@@ -119,6 +117,7 @@ def train_and_measure(
         142088
     """
     torch.manual_seed(0)
+    engine = engine_for(strategy)
     model = build_model(model_name)
     num_params = count_params(model)
     numels = tuple(p.numel() for p in model.parameters())
@@ -137,7 +136,7 @@ def train_and_measure(
             with count_collectives() if count_comm and step == steps - 1 else nullcontext() as c:
                 start = time.perf_counter()
                 loss = loss_fn(module, (x, y))
-                backward_and_step(module, optimizer, loss)
+                engine.train_step(module, optimizer, loss)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - start)
@@ -145,11 +144,7 @@ def train_and_measure(
                 comm = c.stats
             if step == steps - 1:
                 state = measure_model_state(module, optimizer)
-            # Through the module: ShardedDDP's own zero_grad clears its gradient buckets in
-            # place, where optimizer.zero_grad() would set .grad to None and detach them.
-            # A DeepSpeed engine's step has zeroed its gradients already.
-            if not is_engine(module):
-                module.zero_grad()
+            engine.zero_grad(module, optimizer)
     timed = times[1:] or times
     return RankMeasurement(
         strategy=strategy,
@@ -160,7 +155,7 @@ def train_and_measure(
         loss=loss.item(),
         peak=peak_memory(device if device.type == "cuda" else "cpu"),
         comm=comm,
-        root_unit_params=root_unit_params(module),
+        root_unit_params=engine.root_unit_params(module),
         param_numels=numels,
     )
 
@@ -190,10 +185,10 @@ def run_comparison(
         progress: Called with one line before and after each run (``None``: silent).
         timeout: Seconds each run may take.
         comm: Count each rank's collectives in the last step and set them next to
-            :func:`~fsdp_guide.memory.predict_communication`.
+            :func:`~fsdp_guide.comm.predict_communication`.
 
     Returns:
-        One :class:`~fsdp_guide.memory.ComparisonRow` per strategy and rank.
+        One :class:`~fsdp_guide.compare.ComparisonRow` per strategy and rank.
 
     Raises:
         ValueError: Bad strategy, model, world size, steps or batch size, before any
@@ -245,9 +240,11 @@ def run_comparison(
                     strategy=spec.name,
                     rank=result.rank,
                     world_size=world_size,
-                    zero_stage=STRATEGIES[spec.name].zero_stage,
+                    zero_stage=spec.zero_stage,
                     measured=result.state,
-                    predicted=spec.predict(result.num_params, world_size, result.param_numels),
+                    predicted=predict_model_state(
+                        spec, result.num_params, world_size, result.param_numels
+                    ),
                     step_time_s=result.step_time_s,
                     loss=result.loss,
                     peak_bytes=result.peak.bytes,

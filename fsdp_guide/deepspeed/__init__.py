@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO on the guide's terms: on CPU with gloo, no compiler, plain Adam.
 
 The catalog's ``deepspeed_zero1`` to ``deepspeed_zero3`` strategies and their offload
-variants are built here (:func:`fsdp_guide.catalog.wrap_for_strategy` calls
+variants are built here (:func:`fsdp_guide.engines.wrap_for_strategy` calls
 :func:`initialize` with a :func:`zero_config`). DeepSpeed is an optional extra
 (``pip install "fsdp-guide[deepspeed]"``) and is imported only when an engine is built:
 importing this package does not import it.

@@ -6,17 +6,16 @@ command line runs these checks while parsing its arguments.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
-import sys
 from collections.abc import Mapping
 from typing import Any
 
+from fsdp_guide.catalog import extra_installed, install_command
 from fsdp_guide.errors import MissingRequirementError
 
 #: The command that installs the extra, pinned like the rest of the project.
-INSTALL_COMMAND = 'pip install -c requirements/constraints.txt "fsdp-guide[deepspeed]"'
+INSTALL_COMMAND = install_command("deepspeed")
 #: Compilers torch's JIT extension builder calls (``$CXX`` first).
 COMPILERS = ("c++", "g++", "clang++", "cc")
 # DeepSpeed optimizer types whose update is a compiled op unless torch's Adam is asked for.
@@ -39,7 +38,7 @@ def deepspeed_installed() -> bool:
         >>> isinstance(deepspeed_installed(), bool)
         True
     """
-    return "deepspeed" in sys.modules or importlib.util.find_spec("deepspeed") is not None
+    return extra_installed("deepspeed")
 
 
 def check_installed(what: str = "DeepSpeed ZeRO") -> None:

@@ -21,19 +21,22 @@ collective helper called on some ranks only fails within seconds).
 
 from __future__ import annotations
 
-from fsdp_guide.errors import CollectiveCallError, LaunchError, LaunchTimeout, RankError
-from fsdp_guide.launcher._checks import in_interactive_session, resolve_backend
+# The errors are documented in fsdp_guide.errors; still importable from here, as before.
+from fsdp_guide.errors import CollectiveCallError as CollectiveCallError
+from fsdp_guide.errors import LaunchError as LaunchError
+from fsdp_guide.errors import LaunchTimeout as LaunchTimeout
+from fsdp_guide.errors import RankError as RankError
+from fsdp_guide.launcher._checks import check_world_size, in_interactive_session, resolve_backend
+# For the package's collective helpers (checkpoint.save and load), not documented for readers.
+from fsdp_guide.launcher._entry import every_rank_enters as every_rank_enters
 from fsdp_guide.launcher._launch import launch
 from fsdp_guide.launcher._plan import RankPlan, plan_ranks
 from fsdp_guide.launcher._process_group import dist_init, rank_device
 from fsdp_guide.launcher._rendezvous import find_free_port
 
 __all__ = [
-    "CollectiveCallError",
-    "LaunchError",
-    "LaunchTimeout",
-    "RankError",
     "RankPlan",
+    "check_world_size",
     "dist_init",
     "find_free_port",
     "in_interactive_session",

@@ -1,18 +1,15 @@
-"""Memory and communication per rank, measured and predicted.
+"""Memory per rank, measured, predicted and planned.
 
 :func:`measure_model_state` counts the bytes of parameters, gradients and optimizer state
 that a rank holds; :func:`estimate_model_state` gives what the ZeRO formulas predict for
-the same setting; :func:`peak_memory` reads the device's (or process's) peak.
-
-**Communication.** :func:`count_collectives` counts the collectives a rank issues (calls,
-elements and bytes per kind, and whether the count is complete);
-:func:`predict_communication` gives the ZeRO paper's volume per step and the payload each
-strategy issues, in the same units, so they compare like memory does.
+a stage, :func:`predict_model_state` for a strategy (the formula its engine follows);
+:func:`peak_memory` reads the device's (or process's) peak. Communication is
+:mod:`fsdp_guide.comm`'s.
 
 **Planning.** :func:`plan` adds what a rank holds at its peak, without allocating the model:
-the model state of every rank (to the byte, as the catalog's engines lay it out), the
-activations saved for backward (traced on fake tensors), the largest transient buffer and
-the communication per step, in a :class:`Plan`; :func:`recommend` picks among plans.
+the model state of every rank (to the byte, as each engine lays it out), the activations
+saved for backward (traced on fake tensors), the largest transient buffer and the
+communication per step, in a :class:`Plan`; :func:`recommend` picks among plans.
 
 **When to measure.** Call :func:`measure_model_state` **after** ``optimizer.step()`` and **before**
 ``optimizer.zero_grad()``. At that point every kind of state exists at once: the
@@ -49,30 +46,19 @@ buffers are not counted.
 
 from __future__ import annotations
 
-from fsdp_guide.catalog import resolve_stage
-from fsdp_guide.memory._comm import (
-    COLLECTIVE_KINDS,
-    CollectiveCount,
-    CollectiveKind,
-    CommCounter,
-    CommStats,
-    count_collectives,
-)
-from fsdp_guide.memory._comm_zero import CommPrediction, predict_communication, root_unit_params
-from fsdp_guide.memory._deepspeed import estimate_deepspeed_state
 from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
 from fsdp_guide.memory._plan import Plan, plan, recommend
-from fsdp_guide.memory._report import (
-    ComparisonRow,
-    communication_table,
-    comparison_table,
-    plot_comparison,
-    rows_as_json,
+from fsdp_guide.memory._predict import (
+    estimate_deepspeed_state,
+    predict_model_state,
+    state_per_rank,
 )
 from fsdp_guide.memory._state import ModelState
-from fsdp_guide.memory._trace import traced_activation_bytes
+from fsdp_guide.memory._trace import build_on_meta, traced_activation_bytes
 from fsdp_guide.memory._zero import (
     BytesPerParam,
+    OptimizerName,
+    Precision,
     bytes_per_param,
     estimate_model_state,
     format_bytes,
@@ -80,21 +66,14 @@ from fsdp_guide.memory._zero import (
 )
 
 __all__ = [
-    "COLLECTIVE_KINDS",
     "BytesPerParam",
-    "CollectiveCount",
-    "CollectiveKind",
-    "CommCounter",
-    "CommPrediction",
-    "CommStats",
-    "ComparisonRow",
     "ModelState",
+    "OptimizerName",
     "PeakMemory",
     "Plan",
+    "Precision",
+    "build_on_meta",
     "bytes_per_param",
-    "communication_table",
-    "comparison_table",
-    "count_collectives",
     "estimate_deepspeed_state",
     "estimate_model_state",
     "format_bytes",
@@ -102,11 +81,8 @@ __all__ = [
     "parse_size",
     "peak_memory",
     "plan",
-    "plot_comparison",
-    "predict_communication",
+    "predict_model_state",
     "recommend",
-    "resolve_stage",
-    "root_unit_params",
-    "rows_as_json",
+    "state_per_rank",
     "traced_activation_bytes",
 ]

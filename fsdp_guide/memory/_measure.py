@@ -11,8 +11,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fsdp_guide._fsdp_tensors import GRAD_BUFFERS, PARAM_BUFFERS, local_tensor
-from fsdp_guide.memory import _deepspeed
+from fsdp_guide.engines import GRAD_BUFFERS, PARAM_BUFFERS, detect, local_tensor
 from fsdp_guide.memory._state import ModelState
 
 
@@ -96,10 +95,12 @@ def measure_model_state(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if _deepspeed.is_deepspeed_engine(module):
-        optimizer = _deepspeed.engine_optimizer(module, optimizer)
-    if _deepspeed.zero_stage_of(optimizer) is not None:
-        return _measure_deepspeed(module, optimizer)
+    # An engine whose state the walk below would miss lists its tensors (DeepSpeed's).
+    engine = detect(module, optimizer)
+    optimizer = engine.optimizer_of(module, optimizer)
+    held = engine.state_tensors(module, optimizer)
+    if held is not None:
+        return _measure_listed(held)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
@@ -119,9 +120,8 @@ def measure_model_state(
     )
 
 
-def _measure_deepspeed(module: nn.Module, zero: Any) -> ModelState:
-    """A DeepSpeed ZeRO optimizer's state; the order of fields settles shared storages."""
-    tensors = _deepspeed.deepspeed_state_tensors(module, zero)
+def _measure_listed(tensors: dict[str, list[Any]]) -> ModelState:
+    """Tensors listed by field; the order of the fields settles shared storages."""
     counter = _StorageCounter()
     counted = {name: counter.add(tensors[name]) for name in tensors}
     return ModelState(

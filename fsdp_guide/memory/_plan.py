@@ -1,17 +1,18 @@
 """Will it fit? Bytes per rank of a training step, planned without allocating the model (private).
 
-:func:`plan` adds up what one rank holds at its peak: the model state of the ZeRO formulas
-(as :meth:`~fsdp_guide.catalog.StrategySpec.predict` gives it), the activations autograd
-saves for backward, the largest transient buffer of the strategy, and the communication per
-step. The activations are not a formula: the model's real forward runs on fake tensors
-(:class:`torch._subclasses.fake_tensor.FakeTensorMode`), which have shapes, dtypes and
-storages but no data, and :func:`fsdp_guide.wrap.saved_activation_bytes` counts what
-autograd keeps, each storage once, as it does on real tensors. So a 70B-parameter model is
-planned in seconds on a laptop.
+:func:`plan` adds up what one rank holds at its peak: the model state of each rank as the
+strategy's engine lays it out, the activations autograd saves for backward, the largest
+transient buffer of the engine, and the communication per step. Everything that depends on
+the engine is asked of its adapter (:func:`fsdp_guide.engines.engine_for`); nothing here
+branches on a strategy's name. The activations are not a formula: the model's real forward
+runs on fake tensors (:class:`torch._subclasses.fake_tensor.FakeTensorMode`), which have
+shapes, dtypes and storages but no data, and :func:`fsdp_guide.wrap.saved_activation_bytes`
+counts what autograd keeps, each storage once, as it does on real tensors. So a 70B-parameter
+model is planned in seconds on a laptop.
 
-The model state is that of each rank, to the byte, as the catalog's engines lay it out
-(:func:`~fsdp_guide.memory._layout.state_per_rank`): whole tensors give uneven optimizer
-shards, flat parameters and FSDP2's row chunks are padded, Adam keeps a step per tensor.
+The model state is that of each rank, to the byte (:meth:`fsdp_guide.engines.Engine.layout`):
+whole tensors give uneven optimizer shards, flat parameters and FSDP2's row chunks are padded,
+Adam keeps a step per tensor.
 
 The activations are those of the CPU kernels that fake tensors dispatch to (CPU flash
 attention for ``scaled_dot_product_attention``); CUDA kernels may save other tensors.
@@ -26,11 +27,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from fsdp_guide.catalog._table import StrategySpec, get_strategy
+from fsdp_guide.catalog import get_strategy
+from fsdp_guide.comm import CommPrediction, predict_communication
+from fsdp_guide.engines import engine_for
 from fsdp_guide.errors import PlanError
-from fsdp_guide.launcher._checks import check_world_size
-from fsdp_guide.memory._comm_zero import CommPrediction, predict_communication
-from fsdp_guide.memory._layout import state_per_rank
+from fsdp_guide.launcher import check_world_size
+from fsdp_guide.memory._predict import state_per_rank
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._trace import (
     BatchBuilder,
@@ -49,11 +51,8 @@ from fsdp_guide.memory._zero import (
 #: The most ranks :func:`plan` takes: it keeps a model state per rank.
 MAX_RANKS = 2**20
 
-# DDP's default bucket_cap_mb: the largest gradient bucket all-reduced at once.
-_DDP_BUCKET_BYTES = 25 * 1024 * 1024
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """What one rank holds at its peak in a training step, planned by :func:`plan`.
 
@@ -108,6 +107,18 @@ class Plan:
         """Peak bytes on the accelerator of ``rank``."""
         state = 0 if self.cpu_offload else self.ranks[rank].total
         return state + self.activations + self.transient
+
+    def fits(self, gpu_memory: int, margin: float = 0.1, rank: int | None = None) -> bool:
+        """Whether the fullest rank (or ``rank``) fits ``gpu_memory`` less the ``margin`` share.
+
+        Examples:
+            >>> from fsdp_guide.models import MLP
+            >>> p = plan(MLP(4, 8, 1, 2), batch_size=2, seq_len=1, world_size=2, strategy="ddp")
+            >>> p.fits(p.total), p.fits(p.total, margin=0.0)
+            (False, True)
+        """
+        total = self.total if rank is None else self.rank_total(rank)
+        return total <= gpu_memory * (1 - margin)
 
     def as_dict(self, rank: int | None = None) -> dict[str, int | str | bool]:
         """The plan of one rank (the fullest by default) as JSON-ready values, bytes as integers.
@@ -200,11 +211,12 @@ def plan(
             builder, CPU offload with a strategy that does not shard parameters.
 
     Examples:
+        >>> from fsdp_guide.memory import predict_model_state
         >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
         >>> cfg = TransformerConfig(n_layers=2, dim=32, n_heads=2)
         >>> p = plan(lambda: TinyTransformer(cfg), batch_size=4, seq_len=32, world_size=2,
         ...          strategy="fsdp2")
-        >>> extra = p.state.total - get_strategy("fsdp2").predict(p.num_params, 2).total
+        >>> extra = p.state.total - predict_model_state("fsdp2", p.num_params, 2).total
         >>> extra == 4 * len(list(TinyTransformer(cfg).parameters()))  # Adam's step per tensor
         True
         >>> plan(lambda: TinyTransformer(cfg), batch_size=4, seq_len=32, world_size=2,
@@ -215,6 +227,7 @@ def plan(
     """
     try:
         spec = get_strategy(strategy)
+        engine = engine_for(spec)
         check_world_size(world_size)
         per = bytes_per_param(precision, optimizer)
     except ValueError as exc:
@@ -224,7 +237,7 @@ def plan(
             f"world_size {world_size:,} is above the {MAX_RANKS:,} ranks plan() handles"
         )
     check_sizes(batch_size, seq_len)
-    if cpu_offload and spec.stage_at_step < 3:
+    if cpu_offload and engine.stage_at_step < 3:
         raise PlanError(
             f"cpu_offload needs a fully sharded strategy (fsdp, fsdp2, ...), not {spec.name!r}"
         )
@@ -233,7 +246,7 @@ def plan(
     if num_params == 0:
         raise PlanError(f"{type(model).__name__} has no parameters to train")
     shapes = [tuple(p.shape) for p in model.parameters()]
-    ranks, exact = state_per_rank(spec, shapes, world_size, precision, optimizer)
+    ranks, exact = state_per_rank(engine, shapes, world_size, precision, optimizer)
     state = max(ranks, key=lambda s: s.total)  # the first of the fullest
     if activations is not None:
         if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
@@ -248,44 +261,24 @@ def plan(
             batch=batch,
         )
     largest, root = unit_params(model)
-    transient, kind = _transient(spec, per.params, per.grads, num_params, largest)
-    dtype = "bf16" if precision == "mixed" else "fp32"
-    comm = predict_communication(spec.name, num_params, world_size, dtype, root)
-    return Plan(
-        spec.name,
-        world_size,
-        num_params,
-        precision,
-        state,
-        activations,
-        transient,
-        kind,
-        comm,
-        cpu_offload,
-        ranks,
-        exact,
+    transient = engine.transient(
+        param_bytes=per.params, grad_bytes=per.grads, num_params=num_params, largest_unit=largest
     )
-
-
-def _transient(
-    spec: StrategySpec, param_bytes: int, grad_bytes: int, num_params: int, largest: int
-) -> tuple[int, str]:
-    """The largest short-lived buffer, beyond this rank's shard of the state."""
-    if spec.stage_at_step >= 3 and spec.zero_stage == 2:
-        # SHARD_GRAD_OP keeps every unit gathered from its forward until backward ends.
-        gathered = param_bytes * num_params + grad_bytes * largest
-        return gathered, "all parameters gathered (forward to backward) + a unit's grads"
-    if spec.stage_at_step >= 3:
-        return (param_bytes + grad_bytes) * largest, "largest gathered unit (params + grads)"
-    if spec.engine in ("ddp", "zero", "oss"):
-        # These wrap DDP, which copies gradients into buckets to all-reduce them.
-        return min(_DDP_BUCKET_BYTES, grad_bytes * num_params), "gradient bucket (DDP's 25 MiB cap)"
-    if spec.engine in ("fsdp1", "fairscale_fsdp"):
-        # A flat parameter's gradient is concatenated from its parameters' gradients, which
-        # autograd holds until the unit's last one arrives; the flat gradient is then
-        # all-reduced (NO_SHARD) in place.
-        return grad_bytes * largest, "a unit's gradients before they are flattened"
-    return 0, "none known beyond the state"
+    dtype = "bf16" if precision == "mixed" else "fp32"
+    return Plan(
+        strategy=spec.name,
+        world_size=world_size,
+        num_params=num_params,
+        precision=precision,
+        state=state,
+        activations=activations,
+        transient=transient.bytes,
+        transient_kind=transient.kind,
+        communication=predict_communication(spec.name, num_params, world_size, dtype, root),
+        cpu_offload=cpu_offload,
+        ranks=ranks,
+        exact_state=exact,
+    )
 
 
 def recommend(plans: Sequence[Plan], gpu_memory: int, margin: float = 0.1) -> Plan | None:
@@ -302,6 +295,6 @@ def recommend(plans: Sequence[Plan], gpu_memory: int, margin: float = 0.1) -> Pl
         >>> recommend(plans, 2_600_000).strategy, recommend(plans, 10) is None
         ('fsdp', True)
     """
-    fitting = [p for p in plans if p.total <= gpu_memory * (1 - margin)]
+    fitting = [p for p in plans if p.fits(gpu_memory, margin)]
     # min() keeps the first of equal keys: the order given breaks exact ties.
     return min(fitting, key=lambda p: (p.communication.payload_bytes, p.total), default=None)

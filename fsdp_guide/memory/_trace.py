@@ -131,7 +131,7 @@ def _default_batch(model: nn.Module) -> BatchBuilder:
 
 def _checkpoint(model: nn.Module, checkpointing: Checkpointing) -> None:
     from fsdp_guide.models import Block
-    from fsdp_guide.wrap._activations import checkpoint_layers
+    from fsdp_guide.wrap import checkpoint_layers
 
     layers = Block if checkpointing == "blocks" else checkpointing
     if not isinstance(layers, type) or not issubclass(layers, nn.Module):
@@ -181,7 +181,7 @@ def traced_activation_bytes(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fsdp_guide.models import loss_fn
-    from fsdp_guide.wrap._activations import saved_activation_bytes
+    from fsdp_guide.wrap import saved_activation_bytes
 
     check_sizes(batch_size, seq_len)
     traced = _meta_copy(model)  # checkpointing and faking change it: never the caller's

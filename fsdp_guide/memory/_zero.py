@@ -31,8 +31,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from fsdp_guide.catalog._table import resolve_stage
-from fsdp_guide.launcher._checks import check_world_size
+from fsdp_guide.catalog import resolve_stage
+from fsdp_guide.launcher import check_world_size
 from fsdp_guide.memory._state import ModelState
 
 Precision = Literal["fp32", "mixed"]

@@ -14,8 +14,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fsdp_guide.errors import OptimizerMismatchError
-from fsdp_guide.wrap import check_optimizer, checkpoint_layers, checkpointed_names
-from fsdp_guide.wrap._policy import check_layer_classes
+from fsdp_guide.wrap import (
+    check_layer_classes,
+    check_optimizer,
+    checkpoint_layers,
+    checkpointed_names,
+)
 
 
 def normalize_layer_classes(

@@ -312,13 +312,12 @@ class DDPFullyShardedStrategy(DDPStrategy):
         """Gather the full optimizer state on rank 0 (collective); other ranks get ``{}``."""
         if not self._is_wrapped():
             return super().optimizer_state(optimizer)
-        from fsdp_guide.checkpoint._state import _UnmutatedStateDict
+        from fsdp_guide.engines import FairScaleFSDP
 
         assert self.model is not None
-        # FairScale's gather turns the live optimizer's ``step`` tensors into floats in place;
-        # hand it a copy of the per-parameter entries so training can go on after a save.
-        source = _UnmutatedStateDict(unwrap_optimizer(optimizer))
-        full = self.model.gather_full_optim_state_dict(source)  # type: ignore[operator]
+        # The engine's gather keeps the live optimizer's ``step`` tensors, so training can
+        # go on after a save.
+        full = FairScaleFSDP().full_optimizer_state(self.model, unwrap_optimizer(optimizer))
         return dict(full) if full is not None and self.is_global_zero else {}
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

@@ -4,14 +4,15 @@ How a model is cut into FSDP units decides peak memory and how communication ove
 compute; activation checkpointing trades recomputation for activation memory. This module
 gathers the helpers, which live in smaller modules:
 
-* policies (``fsdp_guide/wrap/_policy.py``): :class:`SizePolicy`, :class:`LayerPolicy`,
-  their union ``a | b`` / :func:`any_of`, usable with FairScale, FSDP1 and FSDP2;
-* sharding: :func:`shard` with a policy (``fsdp_guide/wrap/_engines.py``), and manual
-  wrapping with :func:`wrapping` and :func:`wrap` (``fsdp_guide/wrap/_manual.py``);
-* :func:`checkpoint_layers` and :func:`saved_activation_bytes`
-  (``fsdp_guide/wrap/_activations.py``);
-* :func:`describe` and :func:`sharded_units` (``fsdp_guide/wrap/_inspect.py``);
-* :func:`check_optimizer` (``fsdp_guide/wrap/_optimizer_check.py``).
+* policies: :class:`SizePolicy`, :class:`LayerPolicy`, their union ``a | b`` /
+  :func:`any_of`, usable with FairScale, FSDP1 and FSDP2;
+* sharding: :func:`shard` with a policy, and manual wrapping with :func:`wrapping` and
+  :func:`wrap`, for the FSDP engines (each engine's adapter, a
+  :class:`fsdp_guide.engines.UnitEngine`, says how);
+* activation checkpointing: :func:`checkpoint_layers`, and :func:`saved_activation_bytes`
+  to measure what it saves;
+* :func:`describe` and :func:`sharded_units`: the units of a model;
+* :func:`check_optimizer`: an optimizer built before wrapping.
 
 Examples:
     >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
@@ -30,14 +31,15 @@ Examples:
 
 from __future__ import annotations
 
-from fsdp_guide.errors import EngineUnavailableError, OptimizerMismatchError
+# The errors are documented in fsdp_guide.errors; still importable from here, as before.
+from fsdp_guide.errors import EngineUnavailableError as EngineUnavailableError
+from fsdp_guide.errors import OptimizerMismatchError as OptimizerMismatchError
 from fsdp_guide.wrap._activations import (
     CheckpointImplementation,
     checkpoint_layers,
     checkpointed_names,
     saved_activation_bytes,
 )
-from fsdp_guide.wrap._engines import ENGINES, Engine, check_engine, shard
 from fsdp_guide.wrap._inspect import (
     ModuleNode,
     describe,
@@ -53,22 +55,20 @@ from fsdp_guide.wrap._policy import (
     SizePolicy,
     WrapPolicy,
     any_of,
+    check_layer_classes,
     selected_modules,
 )
+from fsdp_guide.wrap._shard import shard
 
 __all__ = [
-    "ENGINES",
     "AnyOf",
     "CheckpointImplementation",
-    "Engine",
-    "EngineUnavailableError",
     "LayerPolicy",
     "ModuleNode",
-    "OptimizerMismatchError",
     "SizePolicy",
     "WrapPolicy",
     "any_of",
-    "check_engine",
+    "check_layer_classes",
     "check_optimizer",
     "checkpoint_layers",
     "checkpointed_names",

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from fsdp_guide._fsdp_tensors import PARAM_BUFFERS, local_tensor
+from fsdp_guide.engines import PARAM_BUFFERS, local_tensor
 from fsdp_guide.wrap._policy import LayerPolicy
 
 CheckpointImplementation = Literal["torch", "fairscale"]

@@ -11,12 +11,11 @@ DTensors (whose ``numel`` is the global one).
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
+from fsdp_guide.engines import unit_of
 from fsdp_guide.wrap._policy import WrapPolicy, selected_modules
 
 
@@ -42,21 +41,6 @@ class ModuleNode:
     checkpointed: bool
 
 
-def _fsdp1_class() -> type[nn.Module]:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return FullyShardedDataParallel
-
-
-def _fairscale_class() -> type[nn.Module] | None:
-    if "fairscale" not in sys.modules:  # nothing can be wrapped by FairScale then
-        return None
-    from fairscale.nn import FullyShardedDataParallel
-
-    cls: type[nn.Module] = FullyShardedDataParallel
-    return cls
-
-
 def unit_engine(module: nn.Module) -> str | None:
     """The engine that made ``module`` an FSDP unit, or ``None``.
 
@@ -64,16 +48,8 @@ def unit_engine(module: nn.Module) -> str | None:
         >>> unit_engine(nn.Linear(2, 2)) is None
         True
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(module, _fsdp1_class()):
-        return "fsdp1"
-    if isinstance(module, FSDPModule):
-        return "fsdp2"
-    fairscale_cls = _fairscale_class()
-    if fairscale_cls is not None and isinstance(module, fairscale_cls):
-        return "fairscale_fsdp"
-    return None
+    found = unit_of(module)
+    return found[0] if found is not None else None
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -95,11 +71,6 @@ def is_checkpointed(module: nn.Module) -> bool:
     )
 
 
-def _child(module: nn.Module, name: str) -> nn.Module:
-    child = module.get_submodule(name)
-    return child
-
-
 def _unwrap(module: nn.Module) -> tuple[nn.Module, str | None, int | None, bool]:
     """Look through wrappers: (original module, engine, unit params, checkpointed)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -110,26 +81,16 @@ def _unwrap(module: nn.Module) -> tuple[nn.Module, str | None, int | None, bool]
     while True:
         if is_checkpointed(module):
             checkpointed = True
-        kind = unit_engine(module)
-        if kind == "fsdp1":
-            engine = kind
-            handle = getattr(module, "_handle", None)
-            flat = handle.flat_param if handle is not None else None
-            unit_params = int(sum(flat._numels)) if flat is not None else 0
-            module = _child(module, "_fsdp_wrapped_module")
-        elif kind == "fairscale_fsdp":
-            engine = kind
-            # FairScale keeps each (flat) parameter's unsharded size in ``_orig_size``.
-            sizes: list[torch.Size] = [p._orig_size for p in getattr(module, "params", [])]
-            unit_params = sum(size.numel() for size in sizes)
-            module = _child(module, "_fsdp_wrapped_module")
-            if hasattr(module, "_fpw_module"):  # FlattenParamsWrapper
-                module = _child(module, "_fpw_module")
-        elif isinstance(module, CheckpointWrapper):
+        found = unit_of(module)
+        if found is not None:
+            engine, view = found
+            if view.inner is not module:
+                unit_params, module = view.params, view.inner
+                continue
+        # Sharded in place (FSDP2), or no unit: look through a checkpoint wrapper only.
+        if isinstance(module, CheckpointWrapper):
             module = module._checkpoint_wrapped_module
         else:
-            if kind == "fsdp2":
-                engine = kind
             return module, engine, unit_params, checkpointed
 
 
@@ -190,7 +151,7 @@ def sharded_units(
     """Each unit's qualified name mapped to ``(engine, parameter elements it manages)``.
 
     Examples:
-        >>> from fsdp_guide.wrap._policy import LayerPolicy
+        >>> from fsdp_guide.wrap import LayerPolicy
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
         >>> sharded_units(model, policy=LayerPolicy(nn.Linear))
         {'': ('planned', 0), '0': ('planned', 20), '2': ('planned', 10)}
@@ -217,7 +178,7 @@ def describe(
         ``[checkpointed]`` for checkpointed modules.
 
     Examples:
-        >>> from fsdp_guide.wrap._policy import SizePolicy
+        >>> from fsdp_guide.wrap import SizePolicy
         >>> model = nn.Sequential(nn.Linear(100, 100), nn.ReLU(), nn.Linear(100, 2))
         >>> print(describe(model, policy=SizePolicy(min_num_params=1000)))
         (root): Sequential  [unit: planned, 202 params]

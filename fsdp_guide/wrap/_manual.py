@@ -16,19 +16,13 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_guide.wrap._engines import (
-    Engine,
-    _check_process_group,
-    _fairscale_defaults,
-    _fsdp2_defaults,
-    _torch_defaults,
-    check_engine,
-)
+from fsdp_guide.engines import UnitEngine, get_unit_engine
+from fsdp_guide.wrap._shard import check_process_group
 
 
 @dataclass
 class _WrapContext:
-    engine: str
+    engine: UnitEngine
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -36,7 +30,7 @@ _ACTIVE: ContextVar[_WrapContext | None] = ContextVar("fsdp_guide_wrap_context",
 
 
 @contextlib.contextmanager
-def wrapping(engine: Engine | str = "fsdp1", **engine_options: Any) -> Iterator[None]:
+def wrapping(engine: str = "fsdp1", **engine_options: Any) -> Iterator[None]:
     """Make :func:`wrap` shard modules with ``engine`` and ``engine_options`` inside the block.
 
     For ``"fsdp1"`` and ``"fairscale_fsdp"`` this also enters the library's own ``enable_wrap``
@@ -72,29 +66,14 @@ def wrapping(engine: Engine | str = "fsdp1", **engine_options: Any) -> Iterator[
           2: Linear
         >>> dist.destroy_process_group()
     """
-    engine = check_engine(engine)
+    adapter = get_unit_engine(engine)
     if _ACTIVE.get() is not None:
         raise RuntimeError("wrapping() blocks do not nest; leave the active block first")
-    _check_process_group("wrapping()")
-    options = dict(engine_options)
-    library_context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-    if engine == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp.wrap import enable_wrap as torch_enable_wrap
-
-        options = _torch_defaults(options)
-        library_context = torch_enable_wrap(wrapper_cls=FullyShardedDataParallel, **options)
-    elif engine == "fairscale_fsdp":
-        from fairscale.nn import FullyShardedDataParallel as FairScaleFSDP
-        from fairscale.nn.wrap import enable_wrap as fairscale_enable_wrap
-
-        options = _fairscale_defaults(options)
-        library_context = fairscale_enable_wrap(wrapper_cls=FairScaleFSDP, **options)
-    else:
-        options = _fsdp2_defaults(options)
-    token = _ACTIVE.set(_WrapContext(engine, options))
+    check_process_group("wrapping()")
+    options = adapter.unit_options(dict(engine_options))
+    token = _ACTIVE.set(_WrapContext(adapter, options))
     try:
-        with library_context:
+        with adapter.wrapping_context(options):
             yield
     finally:
         _ACTIVE.reset(token)
@@ -123,16 +102,4 @@ def wrap(module: nn.Module, **overrides: Any) -> nn.Module:
     active = _ACTIVE.get()
     if active is None:
         return module
-    if active.engine == "fsdp1":
-        from torch.distributed.fsdp.wrap import wrap as torch_wrap
-
-        return torch_wrap(module, **overrides)
-    if active.engine == "fairscale_fsdp":
-        from fairscale.nn.wrap import wrap as fairscale_wrap
-
-        wrapped: nn.Module = fairscale_wrap(module, **overrides)
-        return wrapped
-    from torch.distributed.fsdp import fully_shard
-
-    fully_shard(module, **{**active.options, **overrides})
-    return module
+    return active.engine.wrap_unit(module, active.options, overrides)

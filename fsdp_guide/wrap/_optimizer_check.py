@@ -139,6 +139,16 @@ def watch_replaced_parameters(before: list[nn.Parameter], model: nn.Module, engi
         _hook.append(register_optimizer_step_pre_hook(_refuse_replaced_parameters))
 
 
+def _in_place(engine: str) -> bool:
+    from fsdp_guide.engines import UnitEngine, get_engine
+
+    try:
+        adapter = get_engine(engine)
+    except ValueError:
+        return False
+    return isinstance(adapter, UnitEngine) and adapter.shards_in_place
+
+
 def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     if not _REPLACED:
         return
@@ -147,7 +157,7 @@ def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, *_: Any) -> No
     if not stale:
         return
     engine = _replaced_by.get(id(stale[0]), "the engine")
-    in_place = " (in place: shard returns the same model object)" if engine == "fsdp2" else ""
+    in_place = " (in place: shard returns the same model object)" if _in_place(engine) else ""
     raise OptimizerMismatchError(
         f"this optimizer was built before shard(..., engine={engine!r}): it holds "
         f"{len(stale)} tensor(s) ({sum(p.numel() for p in stale):,} elements) that shard "

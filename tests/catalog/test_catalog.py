@@ -37,16 +37,50 @@ def test_names_are_unique_across_names_and_aliases() -> None:
     assert len(ALL_NAMES) == len(set(ALL_NAMES))
 
 
-def test_each_strategy_has_its_own_setup() -> None:
-    setups = [spec.setup for spec in STRATEGIES.values()]
-    assert len(set(setups)) == len(setups)
-    for spec in STRATEGIES.values():
-        assert spec.setup.__name__ == f"setup_{spec.name}"
+def test_each_strategy_is_its_own_engine_and_settings() -> None:
+    from fsdp_guide.engines import engine_for
+
+    engines = [engine_for(name) for name in STRATEGIES]
+    assert len(set(engines)) == len(engines)  # two rows building the same thing is one row
 
 
 def test_stage_at_step_differs_only_where_documented() -> None:
-    differ = {s.name for s in STRATEGIES.values() if s.stage_at_step != s.zero_stage}
+    from fsdp_guide.engines import engine_for
+
+    differ = {n for n, s in STRATEGIES.items() if engine_for(n).stage_at_step != s.zero_stage}
     assert differ == {"fsdp_grad_op"}
+
+
+def test_variants_name_a_row_of_the_same_engine_and_stage() -> None:
+    variants = {s.name: s.variant_of for s in STRATEGIES.values() if s.variant_of}
+    assert set(variants) == {
+        "sharded_ddp_buckets",
+        "fsdp_hybrid",
+        "fsdp2_hybrid",
+        "deepspeed_zero2_offload",
+        "deepspeed_zero3_offload",
+    } - ({"fsdp2_hybrid"} - set(STRATEGIES))
+    for name, base in variants.items():
+        assert base is not None
+        assert (STRATEGIES[name].engine, STRATEGIES[name].zero_stage) == (
+            STRATEGIES[base].engine,
+            STRATEGIES[base].zero_stage,
+        )
+
+
+def test_the_catalog_is_a_leaf() -> None:
+    """It imports nothing of the package but errors, so everything may read it."""
+    import ast
+    from pathlib import Path
+
+    imported = set()
+    for path in Path(catalog.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp_guide"):
+                imported.add(node.module)
+            if isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names if a.name.startswith("fsdp_guide")}
+    assert {m for m in imported if not m.startswith("fsdp_guide.catalog")} == {"fsdp_guide.errors"}
 
 
 def test_aliases_resolve_to_the_canonical_spec_and_are_not_repeats() -> None:
@@ -93,7 +127,7 @@ def test_estimate_lists_the_catalog_names_per_stage(capsys: pytest.CaptureFixtur
     assert main(["estimate", "--params", "1e9"]) == 0
     out = capsys.readouterr().out
     for spec in STRATEGIES.values():
-        if spec.full_grads or spec.hybrid or spec.offload:
+        if spec.variant_of:
             continue  # variants of a listed mechanism
         line = next(ln for ln in out.splitlines() if ln.startswith(str(spec.zero_stage) + " "))
         assert spec.name in line.split("  ")[2] or f" {spec.name}" in line
@@ -102,18 +136,19 @@ def test_estimate_lists_the_catalog_names_per_stage(capsys: pytest.CaptureFixtur
 def test_checkpoint_names_are_the_catalog_engines() -> None:
     from typing import get_args
 
-    from fsdp_guide.catalog import Engine
+    from fsdp_guide.catalog import EngineName
     from fsdp_guide.checkpoint import Strategy
+    from fsdp_guide.engines import ENGINES
 
     names = set()
     for arg in get_args(Strategy):
         names |= set(get_args(arg)) if get_args(arg) else {arg}
-    assert names == {"module", *get_args(Engine)}
+    assert names == {"module", *get_args(EngineName)} == {e.name for e in ENGINES}
 
 
 def _detected_engines(rank: int, world_size: int, names: list[str]) -> dict[str, str]:
-    from fsdp_guide.catalog import wrap_for_strategy
     from fsdp_guide.checkpoint import detect_strategy
+    from fsdp_guide.engines import wrap_for_strategy
     from fsdp_guide.models import build_model
 
     detected = {}

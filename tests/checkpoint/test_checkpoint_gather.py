@@ -21,14 +21,14 @@ def save_then_read_optimizer_on_each_rank(
     checkpoint.save(path, model, optimizer)
     # Right after save, with no consolidation of our own: FairScale's OSS must hold the
     # whole state on this rank (PyTorch's ZeRO allows state_dict() on one rank only).
-    own = clone(optimizer.state_dict()) if strategy != "zero" else None
+    own = clone(optimizer.state_dict()) if strategy != "zero1" else None
     _, by_name = get_full_state(model, optimizer, strategy)  # type: ignore[arg-type]
     return {"state_dict": own, "by_name": clone(by_name)}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("strategy", ["zero", "oss", "sharded_ddp"])
+@pytest.mark.parametrize("strategy", ["zero1", "oss", "sharded_ddp"])
 def test_sharded_optimizer_state_consolidated_on_every_rank_and_written_once(
     tmp_path: Path, strategy: str
 ) -> None:
@@ -47,7 +47,7 @@ def test_sharded_optimizer_state_consolidated_on_every_rank_and_written_once(
     assert len(written["state"]) == n_params  # every rank's shard made it into the file
     for rank, result in enumerate(ranks):
         assert differences(written, result["by_name"]) == [], f"rank {rank}"
-        if strategy != "zero":
+        if strategy != "zero1":
             assert len(result["state_dict"]["state"]) == n_params, f"rank {rank}"
             assert differences(ranks[0]["state_dict"], result["state_dict"]) == []
 

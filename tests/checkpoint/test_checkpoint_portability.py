@@ -66,7 +66,7 @@ def file_content(path: Path) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("source", ["ddp", "zero", "oss", "fsdp1", "fsdp2"])
+@pytest.mark.parametrize("source", ["ddp", "zero1", "oss", "fsdp1", "fsdp2"])
 def test_full_checkpoint_from_two_ranks_loads_on_one(tmp_path: Path, source: str) -> None:
     path = tmp_path / "ckpt.pt"
     saved = launch(
@@ -84,7 +84,7 @@ def test_full_checkpoint_from_two_ranks_loads_on_one(tmp_path: Path, source: str
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("target", ["zero", "sharded_ddp", "fsdp1", "fsdp2"])
+@pytest.mark.parametrize("target", ["zero1", "sharded_ddp", "fsdp1", "fsdp2"])
 def test_full_checkpoint_from_one_process_loads_on_two_ranks(tmp_path: Path, target: str) -> None:
     path = tmp_path / "ckpt.pt"
     saved = train_and_save(0, 1, "module", "full", str(path))

@@ -218,7 +218,7 @@ def test_unfinished_sharded_save_has_no_index(damaged: tuple[Path, dict[str, Any
 
 
 def load_into_zero(rank: int, world_size: int, path: str) -> None:
-    model, optimizer = build("zero", seed=0)
+    model, optimizer = build("zero1", seed=0)
     checkpoint.load(path, model, optimizer)
 
 
@@ -231,7 +231,7 @@ def test_sharded_checkpoint_into_a_strategy_dcp_cannot_fill(
     with pytest.raises(
         RankError,
         match=r"holds 'fsdp2' shards, which load at any world size into PyTorch FSDP1 or FSDP2, "
-        r"a plain module or DDP; this model is 'zero': consolidate it \(python -m fsdp_guide "
+        r"a plain module or DDP; this model is 'zero1': consolidate it \(python -m fsdp_guide "
         r"consolidate .*\) and load the full file",
     ):
         launch(load_into_zero, 1, args=(str(path),), backend="gloo", start_method="fork")

@@ -46,7 +46,7 @@ def save_load_resume(rank: int, world_size: int, strategy: str, kind: str, path:
 CASES = [
     ("module", "full"),
     ("ddp", "full"),
-    ("zero", "full"),
+    ("zero1", "full"),
     ("oss", "full"),
     ("sharded_ddp", "full"),
     ("fsdp1", "full"),

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+import fsdp_guide.catalog._lookup as lookup_module
 import fsdp_guide.deepspeed._preflight as preflight_module
 from fsdp_guide.catalog import STRATEGIES, check_strategies
 from fsdp_guide.cli import main
@@ -61,9 +62,10 @@ def test_importing_the_package_does_not_import_deepspeed() -> None:
 
 def test_the_catalog_has_every_stage_and_the_offload_variants() -> None:
     assert {STRATEGIES[n].zero_stage for n in DEEPSPEED} == {1, 2, 3}
-    assert {n: STRATEGIES[n].offload for n in DEEPSPEED if STRATEGIES[n].offload} == {
-        "deepspeed_zero2_offload": ("optimizer",),
-        "deepspeed_zero3_offload": ("optimizer", "params"),
+    offloaded = {n: dict(STRATEGIES[n].settings) for n in DEEPSPEED if STRATEGIES[n].variant_of}
+    assert offloaded == {
+        "deepspeed_zero2_offload": {"stage": 2, "offload_optimizer": True},
+        "deepspeed_zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_params": True},
     }
     assert all(STRATEGIES[n].needs == {"deepspeed"} for n in DEEPSPEED)
 
@@ -72,6 +74,8 @@ def test_the_catalog_has_every_stage_and_the_offload_variants() -> None:
 def no_deepspeed(monkeypatch: pytest.MonkeyPatch) -> None:
     """DeepSpeed looks uninstalled; launching anything fails the test."""
     monkeypatch.setattr(preflight_module, "deepspeed_installed", lambda: False)
+    real = lookup_module.extra_installed
+    monkeypatch.setattr(lookup_module, "extra_installed", lambda e: e != "deepspeed" and real(e))
 
     def no_launch(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a process was started")

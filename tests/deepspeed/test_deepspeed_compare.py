@@ -1,8 +1,9 @@
 """DeepSpeed strategies in ``compare``: measured bytes and collectives equal the predictions.
 
-The catalog's ``predict`` and :func:`~fsdp_guide.memory.predict_communication` for the
-DeepSpeed entries must describe what the engine built from
-:func:`~fsdp_guide.deepspeed.zero_config` really holds and sends, on every rank.
+:func:`~fsdp_guide.memory.predict_model_state` and
+:func:`~fsdp_guide.comm.predict_communication` for the DeepSpeed entries must describe what
+the engine built from :func:`~fsdp_guide.deepspeed.zero_config` really holds and sends, on
+every rank.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ pytest.importorskip("deepspeed")
 
 from fsdp_guide.catalog import STRATEGIES
 from fsdp_guide.compare import run_comparison
+from fsdp_guide.memory import predict_model_state
 
 DEEPSPEED = [name for name, spec in STRATEGIES.items() if spec.engine == "deepspeed"]
 
@@ -41,6 +43,8 @@ def test_collectives_equal_the_prediction_per_kind(rows: list, name: str) -> Non
 
 def test_without_tensor_sizes_the_prediction_is_one_tensor_of_all_parameters() -> None:
     # A RankMeasurement made elsewhere carries no sizes: () must not mean "no parameters".
-    spec = STRATEGIES["deepspeed_zero3"]
-    assert spec.predict(1000, 4, ()) == spec.predict(1000, 4) == spec.predict(1000, 4, [1000])
-    assert spec.predict(1000, 4).params == 4 * 250
+    def predict(*numels: list[int]) -> object:
+        return predict_model_state("deepspeed_zero3", 1000, 4, *numels)
+
+    assert predict([]) == predict() == predict([1000])
+    assert predict_model_state("deepspeed_zero3", 1000, 4).params == 4 * 250

@@ -22,13 +22,13 @@ from torch import nn
 
 pytest.importorskip("deepspeed")  # the optional extra; CI installs it
 
+from fsdp_guide.engines._deepspeed_state import deepspeed_state_tensors
 from fsdp_guide.launcher import launch
 from fsdp_guide.memory import (
     ModelState,
     estimate_deepspeed_state,
     measure_model_state,
 )
-from fsdp_guide.memory._deepspeed import deepspeed_state_tensors
 from fsdp_guide.models import build_model, loss_fn, shard_batch, synthetic_batch
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from fsdp_guide.models import synthetic_batch as make_batch
 CONFIG = TransformerConfig(vocab_size=32, dim=16, n_heads=2, n_layers=2, seq_len=8, mlp_ratio=2)
 GLOBAL_BATCH = 4
 LR = 1e-2
-REPLICATED = ("module", "ddp", "zero", "oss", "sharded_ddp")
+REPLICATED = ("module", "ddp", "zero1", "oss", "sharded_ddp")
 
 
 def _syncing_types() -> tuple[type, ...]:
@@ -55,7 +55,7 @@ def build(
         return model, torch.optim.AdamW(params, lr=LR)
     if strategy == "ddp":
         return nn.parallel.DistributedDataParallel(model), torch.optim.AdamW(params, lr=LR)
-    if strategy == "zero":
+    if strategy == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=LR)
@@ -146,7 +146,7 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str) 
         state["optimizer"] = model.gather_full_optim_state_dict(copies)  # type: ignore[operator]
         return clone(state)
     inner = model.module if hasattr(model, "module") else model
-    if strategy == "zero":
+    if strategy == "zero1":
         optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
     elif strategy in ("oss", "sharded_ddp"):
         optimizer.consolidate_state_dict(recipient_rank=0)  # type: ignore[attr-defined]

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_guide.catalog import wrap_for_strategy
 from fsdp_guide.deepspeed import backward_and_step
+from fsdp_guide.engines import wrap_for_strategy
 from fsdp_guide.models import build_model, loss_fn, shard_batch, synthetic_batch
 
 BATCH = 8

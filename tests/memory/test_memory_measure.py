@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_guide.catalog import STRATEGIES, cpu_strategies, wrap_for_strategy
+from fsdp_guide.catalog import cpu_strategies
+from fsdp_guide.engines import engine_for, wrap_for_strategy
 from fsdp_guide.launcher import launch
-from fsdp_guide.memory import measure_model_state
+from fsdp_guide.memory import measure_model_state, predict_model_state
 from fsdp_guide.models import build_model, loss_fn, shard_batch, synthetic_batch
 
 # DeepSpeed engines step through engine.backward/engine.step and hold their state in their own
@@ -94,7 +95,7 @@ def expected_bytes(
     if name == "sharded_ddp":
         return 4 * total, 4 * sum(owned), shard_state
     if name in ("fsdp", "fsdp_grad_op", "fsdp_hybrid"):
-        group = STRATEGIES[name].shard_group_size(world_size)
+        group = engine_for(name).shard_group_size(world_size)
         shard = math.ceil(total / group)  # one flat parameter, padded to a multiple of group
         return 4 * shard, 4 * shard, 8 * shard + STEP_BYTES
     if name == "fsdp2":  # each tensor cut along dim 0 into equal, padded chunks
@@ -150,7 +151,7 @@ def test_optimizer_shards_cover_every_tensor_once(runs: Any, name: str) -> None:
 def test_measured_over_predicted_within_two_percent(runs: Any, name: str) -> None:
     world_size, results = runs
     num_params = sum(p.numel() for p in build_model("transformer").parameters())
-    predicted = STRATEGIES[name].predict(num_params, world_size)
+    predicted = predict_model_state(name, num_params, world_size)
     for rank, result in enumerate(results):
         ratio = result[("transformer", name)]["state"].total / predicted.total
         assert abs(ratio - 1) < 0.02, f"rank {rank}: ratio {ratio:.4f}"

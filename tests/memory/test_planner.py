@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_guide.catalog import STRATEGIES, cpu_strategies, get_strategy, wrap_for_strategy
+from fsdp_guide.catalog import STRATEGIES, cpu_strategies, get_strategy
+from fsdp_guide.engines import engine_for, wrap_for_strategy
 from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher import launch
 from fsdp_guide.memory import (
@@ -22,6 +23,7 @@ from fsdp_guide.memory import (
     estimate_model_state,
     measure_model_state,
     plan,
+    predict_model_state,
     recommend,
     traced_activation_bytes,
 )
@@ -133,10 +135,10 @@ def test_ranks_stay_near_the_formula_and_share_the_optimizer(name: str, precisio
     model = build_model("mlp")
     got = plan(model, batch_size=4, seq_len=1, world_size=4, strategy=name,
                precision=precision)  # fmt: skip
-    spec = get_strategy(name)
-    formula = estimate_model_state(got.num_params, spec.shard_group_size(4), spec.stage_at_step,
-                                   precision, full_grads=spec.full_grads)  # fmt: skip
-    if spec.engine in ("zero", "oss", "sharded_ddp"):
+    spec, engine = get_strategy(name), engine_for(name)
+    formula = estimate_model_state(got.num_params, engine.shard_group_size(4), engine.stage_at_step,
+                                   precision, full_grads=engine.full_grads)  # fmt: skip
+    if spec.engine in ("zero1", "oss", "sharded_ddp"):
         # Whole tensors: shards are uneven (the MLP's two 256x256 weights go to two ranks),
         # but each tensor's moments and step are on exactly one rank.
         tensors = len(list(model.parameters()))
@@ -146,7 +148,7 @@ def test_ranks_stay_near_the_formula_and_share_the_optimizer(name: str, precisio
         # DeepSpeed's own layout, measured in tests/deepspeed/test_deepspeed_compare.py.
         numels = [p.numel() for p in model.parameters()]
         assert got.exact_state
-        assert all(s == spec.predict(got.num_params, 4, numels) for s in got.ranks)
+        assert all(s == predict_model_state(name, got.num_params, 4, numels) for s in got.ranks)
     else:  # padding and Adam's steps move each rank by little
         assert all(abs(s.total / formula.total - 1) < 0.01 for s in got.ranks)
     assert got.state == max(got.ranks, key=lambda s: s.total)

@@ -14,7 +14,7 @@ works on: the tensor all-reduced, broadcast or reduced; the full (input) tensor 
 reduce-scatter; the full (output) tensor of an all-gather; the input of an all-to-all; the
 tensor sent or received. That is the unit of the ZeRO paper's Ψ: an all-reduce of the
 gradients is "Ψ" of payload, whatever algorithm moves it. See
-:func:`fsdp_guide.memory.predict_communication` for how payload relates to the paper's
+:func:`fsdp_guide.comm.predict_communication` for how payload relates to the paper's
 "2Ψ" and to the bytes a ring really sends.
 """
 

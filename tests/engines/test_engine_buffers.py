@@ -1,4 +1,5 @@
-"""The names of the tensors FSDP hangs on a parameter, checked against the libraries' sources."""
+"""The names of the tensors FSDP hangs on a parameter, each engine's own, checked against the
+libraries' sources."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_guide import _fsdp_tensors
-from fsdp_guide._fsdp_tensors import GRAD_BUFFERS, PARAM_BUFFERS
+from fsdp_guide.engines import FSDP1, GRAD_BUFFERS, PARAM_BUFFERS, FairScaleFSDP, local_tensor
 from fsdp_guide.memory import _measure, measure_model_state
 from fsdp_guide.wrap import _activations, saved_activation_bytes
 
@@ -52,22 +52,28 @@ def test_torch_fsdp1_buffers_are_classified_as_documented() -> None:
     meanings = _torch_flat_param_buffers()
     assert {"_local_shard", "_cpu_grad"} <= set(meanings)  # the parsing found them
     for name, meaning in meanings.items():
-        expected = GRAD_BUFFERS if "gradient" in meaning.lower() else PARAM_BUFFERS
+        expected = FSDP1.grad_buffers if "gradient" in meaning.lower() else FSDP1.param_buffers
         assert name in expected, f"FlatParameter.{name}: {meaning}"
 
 
 def test_fairscale_buffers_are_classified_as_fairscale_uses_them() -> None:
     assigned, made_grad = _fairscale_param_attributes()
     assert made_grad == {"_cpu_grad", "_saved_grad_shard"}
+    assert set(FairScaleFSDP.grad_buffers) == made_grad
     for name in assigned:
-        expected = GRAD_BUFFERS if name in made_grad else PARAM_BUFFERS
+        expected = FairScaleFSDP.grad_buffers if name in made_grad else FairScaleFSDP.param_buffers
         assert name in expected, f"FairScale sets p.{name}"
+
+
+def test_the_lists_are_every_engine_s_together() -> None:
+    assert set(PARAM_BUFFERS) == {*FSDP1.param_buffers, *FairScaleFSDP.param_buffers}
+    assert set(GRAD_BUFFERS) == {*FSDP1.grad_buffers, *FairScaleFSDP.grad_buffers}
 
 
 @pytest.mark.parametrize("consumer", [_measure, _activations])
 def test_memory_and_wrap_use_the_one_list(consumer: object) -> None:
     # Two copies of the list disagreed about _cpu_grad before; both read this one now.
-    assert getattr(consumer, "PARAM_BUFFERS", None) is _fsdp_tensors.PARAM_BUFFERS
+    assert getattr(consumer, "PARAM_BUFFERS", None) is PARAM_BUFFERS
     own = [
         name
         for name, value in vars(consumer).items()
@@ -111,7 +117,7 @@ def _dtensor_shard_sizes(rank: int, world_size: int) -> tuple[int, int, int]:
     # Autograd saves both factors: x (an activation) and the weight (a parameter).
     activations, _ = saved_activation_bytes(module, lambda: (module.weight * x).sum())
     params = measure_model_state(module).params
-    return _fsdp_tensors.local_tensor(x).numel(), params, activations
+    return local_tensor(x).numel(), params, activations
 
 
 def test_dtensors_count_the_local_shard_only() -> None:

@@ -8,21 +8,29 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_guide.catalog import STRATEGIES, check_strategies
-from fsdp_guide.memory import (
+from fsdp_guide.catalog import check_strategies
+from fsdp_guide.compare import (
     ComparisonRow,
-    ModelState,
     comparison_table,
     plot_comparison,
     rows_as_json,
+    text_table,
 )
+from fsdp_guide.memory import ModelState, predict_model_state
 
 
 def _rows() -> list[ComparisonRow]:
-    spec = STRATEGIES["fsdp"]
-    predicted = spec.predict(1000, 2)
+    predicted = predict_model_state("fsdp", 1000, 2)
     return [
-        ComparisonRow("fsdp", rank, 2, 3, ModelState(2000, 2000, 4004 + rank), predicted, 0.01)
+        ComparisonRow(
+            strategy="fsdp",
+            rank=rank,
+            world_size=2,
+            zero_stage=3,
+            measured=ModelState(params=2000, grads=2000, optimizer=4004 + rank),
+            predicted=predicted,
+            step_time_s=0.01,
+        )
         for rank in range(2)
     ]
 
@@ -88,9 +96,20 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     ],
 )
 def test_predictions_model_the_state_at_the_step(name: str, world_size: int, grads: int) -> None:
-    assert STRATEGIES[name].predict(1000, world_size).grads == grads
+    assert predict_model_state(name, 1000, world_size).grads == grads
 
 
 def test_check_strategies_refuses_empty() -> None:
     with pytest.raises(ValueError, match="no strategy given"):
         check_strategies([])
+
+
+@pytest.mark.parametrize("style", ["markdown", "plain"])
+def test_text_table_refuses_a_row_of_another_length(style: str) -> None:
+    with pytest.raises(ValueError, match="every row needs 2 cells"):
+        text_table([["a", "b"], ["1"]], style)  # type: ignore[arg-type]
+
+
+def test_text_table_aligns_columns_and_strips_trailing_space() -> None:
+    lines = text_table([["strategy", "x"], ["ddp", "12345"], ["fsdp2", ""]]).splitlines()
+    assert lines == ["strategy  x", "ddp       12345", "fsdp2"]

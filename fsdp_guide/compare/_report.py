@@ -1,19 +1,53 @@
-"""Tables and a bar chart of measured against predicted model state, per strategy and rank.
+"""What a comparison reports: its rows, their tables and their JSON (private).
 
-Used by ``python -m fsdp_guide compare``, the benchmark and the notebooks.
+Used by ``python -m fsdp_guide compare``, the benchmarks and the notebooks. Every table here
+(and the command line's) is laid out by :func:`text_table`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
-from fsdp_guide.memory._comm import CommStats
-from fsdp_guide.memory._comm_zero import CommPrediction
-from fsdp_guide.memory._state import ModelState
-from fsdp_guide.memory._zero import format_bytes
+from fsdp_guide.comm import CommPrediction, CommStats
+from fsdp_guide.memory import ModelState, format_bytes
+
+TableStyle = Literal["markdown", "plain"]
+
+
+def text_table(rows: Sequence[Sequence[str]], style: TableStyle = "plain") -> str:
+    """Rows of cells as a table, the first row the header, without a trailing newline.
+
+    Args:
+        rows: The header, then the body; every row as long as the header.
+        style: ``"markdown"`` (pipes, for notebooks and reports) or ``"plain"`` (columns
+            aligned with two spaces, for a terminal).
+
+    Raises:
+        ValueError: For an unknown style or a row of another length than the header.
+
+    Examples:
+        >>> print(text_table([["name", "bytes"], ["ddp", "12"]]))
+        name  bytes
+        ddp   12
+        >>> print(text_table([["name", "bytes"], ["ddp", "12"]], style="markdown"))
+        | name | bytes |
+        | --- | --- |
+        | ddp | 12 |
+    """
+    header, *body = rows
+    if any(len(row) != len(header) for row in body):
+        raise ValueError(f"every row needs {len(header)} cells, as the header has")
+    if style == "markdown":
+        lines = [header, ["---"] * len(header), *body]
+        return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+    if style != "plain":
+        raise ValueError(f"unknown style {style!r}; choose 'markdown' or 'plain'")
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
 
 
 @dataclass(frozen=True)
@@ -35,7 +69,7 @@ class ComparisonRow:
         comm_measured: Collectives the rank issued in one training step; ``None`` when not
             counted.
         comm_predicted: The payload the strategy issues per step
-            (:func:`~fsdp_guide.memory.predict_communication`); ``None`` when not counted.
+            (:func:`~fsdp_guide.comm.predict_communication`); ``None`` when not counted.
     """
 
     strategy: str
@@ -63,9 +97,7 @@ class ComparisonRow:
         return self.measured.total / self.predicted.total if self.predicted.total else float("nan")
 
 
-def comparison_table(
-    rows: Sequence[ComparisonRow], style: Literal["markdown", "plain"] = "markdown"
-) -> str:
+def comparison_table(rows: Sequence[ComparisonRow], style: TableStyle = "markdown") -> str:
     """A table with one line per strategy and rank: measured bytes, predicted, ratio, time.
 
     The ``ms/step`` column is shown only when at least one row was timed (a row without a
@@ -139,16 +171,7 @@ def comparison_table(
         + ([_milliseconds(row.step_time_s)] if timed else [])
         for row in rows
     ]
-    if style == "markdown":
-        lines = [header, ["---"] * len(header), *body]
-        return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
-    if style != "plain":
-        raise ValueError(f"unknown style {style!r}; choose 'markdown' or 'plain'")
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    text_lines = [
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *body]
-    ]
-    return "\n".join(line.rstrip() for line in text_lines)
+    return text_table([header, *body], style)
 
 
 _SHORT_KINDS = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG"}
@@ -163,20 +186,20 @@ def communication_table(rows: Sequence[ComparisonRow]) -> str:
     (an all-reduce counts twice), the paper's figure for the stage, and what a ring sends.
 
     Examples:
-        >>> from fsdp_guide.memory._comm import CollectiveCount
-        >>> from fsdp_guide.memory._comm_zero import predict_communication
+        >>> from fsdp_guide.comm import CollectiveCount, predict_communication
         >>> stats = CommStats({"all_reduce": CollectiveCount(1, 100, 400)})
         >>> state = ModelState(4, 4, 8)
         >>> row = ComparisonRow(
-        ...     "ddp", 0, 2, 0, state, state, None, 0.0, 0, "cpu_peak_rss", stats,
-        ...     predict_communication("ddp", 100, 2),
+        ...     strategy="ddp", rank=0, world_size=2, zero_stage=0, measured=state,
+        ...     predicted=state, comm_measured=stats,
+        ...     comm_predicted=predict_communication("ddp", 100, 2),
         ... )
         >>> print(communication_table([row]).splitlines()[-1])
         | ddp | AR 1.000 | 400 B | 400 B | 2.00 Ψ | 2 Ψ | 1.00 Ψ | yes |
     """
     header = ["strategy", "payload per kind (÷Ψ)", "measured", "predicted"]
     header += ["paper convention", "paper", "ring wire", "complete"]
-    lines = [header, ["---"] * len(header)]
+    lines = [header]
     for row in rows:
         measured, predicted = row.comm_measured, row.comm_predicted
         if measured is None or predicted is None or row.rank != 0:
@@ -198,7 +221,7 @@ def communication_table(rows: Sequence[ComparisonRow]) -> str:
                 "yes" if measured.complete else f"no: {measured.reason}",
             ]
         )
-    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+    return text_table(lines, "markdown")
 
 
 def _comm_cells(row: ComparisonRow) -> list[str]:
@@ -257,115 +280,3 @@ def rows_as_json(rows: Sequence[ComparisonRow]) -> list[dict[str, Any]]:
         }
         for row in rows
     ]
-
-
-def _bar_groups(rows: Sequence[ComparisonRow]) -> list[tuple[str, ComparisonRow]]:
-    """One bar per strategy when its ranks hold the same bytes, else one per rank.
-
-    Examples:
-        >>> state = ModelState(1, 1, 1)
-        >>> same = [ComparisonRow("ddp", r, 2, 0, state, state) for r in (0, 1)]
-        >>> [label for label, _ in _bar_groups(same)]
-        ['ddp']
-        >>> odd = [ComparisonRow("oss", r, 2, 1, ModelState(1, 1, r), state) for r in (0, 1)]
-        >>> [label for label, _ in _bar_groups(odd)]
-        ['oss r0', 'oss r1']
-    """
-    by_strategy: dict[str, list[ComparisonRow]] = {}
-    for row in rows:
-        by_strategy.setdefault(row.strategy, []).append(row)
-    groups: list[tuple[str, ComparisonRow]] = []
-    for name, mine in by_strategy.items():
-        if len({(r.measured, r.predicted) for r in mine}) == 1:
-            groups.append((name, mine[0]))
-        else:
-            groups += [(f"{name} r{r.rank}", r) for r in mine]
-    return groups
-
-
-def plot_comparison(rows: Sequence[ComparisonRow], path: str | Path | None = None) -> Any:
-    """Bar chart: measured bytes per strategy (stacked by kind) next to the prediction.
-
-    Ranks that hold the same bytes share one bar; otherwise each rank gets its own.
-
-    matplotlib is imported here, with the non-interactive Agg backend when saving to a file
-    outside a notebook.
-
-    Args:
-        rows: The rows to draw.
-        path: Where to write a PNG; ``None`` to only return the figure.
-
-    Returns:
-        The matplotlib ``Figure``.
-
-    Examples:
-        >>> import tempfile, os
-        >>> row = ComparisonRow("fsdp", 0, 2, 3, ModelState(2, 2, 4), ModelState(2, 2, 4))
-        >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     fig = plot_comparison([row], os.path.join(tmp, "memory.png"))
-        ...     os.path.getsize(os.path.join(tmp, "memory.png")) > 0
-        True
-    """
-    import matplotlib
-
-    if path is not None and "ipykernel" not in matplotlib.get_backend().lower():
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = _bar_groups(rows)
-    labels = [label for label, _ in groups]
-    shown = [row for _, row in groups]
-    xs = range(len(shown))
-    # A fixed width: the site shows the image in a ~700 px column, and a wider figure would
-    # be scaled down until its labels are unreadable.
-    fig, ax = plt.subplots(figsize=(8.0, 4.8))
-    bottom = [0.0] * len(shown)
-    kinds = [("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868")]
-    if any(row.measured.master for row in shown):  # DeepSpeed's master copy, held apart
-        kinds.insert(1, ("master", "#8172b3"))
-    for kind, color in kinds:
-        heights = [getattr(row.measured, kind) / 1e6 for row in shown]
-        ax.bar(
-            [x - 0.2 for x in xs],
-            heights,
-            0.4,
-            bottom=bottom,
-            color=color,
-            label=f"measured {kind}",
-        )
-        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    predicted = [row.predicted.total / 1e6 for row in shown]
-    ax.bar(
-        [x + 0.2 for x in xs],
-        predicted,
-        0.4,
-        color="#cccccc",
-        edgecolor="black",
-        hatch="//",
-        label="ZeRO prediction",
-    )
-    rotation = 25 if len(shown) > 5 else 0
-    ax.set_xticks(
-        list(xs), labels, fontsize=11, rotation=rotation, ha="right" if rotation else "center"
-    )
-    ax.tick_params(axis="y", labelsize=11)
-    ax.set_ylabel("model state per rank (MB)", fontsize=11)
-    world = sorted({row.world_size for row in rows})
-    ax.set_title(
-        f"Model state per rank, measured vs predicted (world size {', '.join(map(str, world))})",
-        fontsize=12,
-    )
-    # Below the axes, not inside (full-height bars would hide under it) nor beside them (it
-    # would take width from the bars).
-    ax.legend(
-        fontsize=10,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.2 if rotation else -0.12),
-        ncol=4,
-        frameon=False,
-    )
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-    return fig

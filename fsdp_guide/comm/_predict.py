@@ -4,7 +4,7 @@ ZeRO (Rajbhandari et al., 2020, section 7) counts what one rank moves per step, 
 parameters: data parallelism (stage 0) and ZeRO-1/2 move ``2Ψ``, ZeRO-3 ``3Ψ``. Three units
 meet here, and the gap between them is the lesson:
 
-* **Payload**, what :func:`fsdp_guide.memory.count_collectives` measures: the elements of the
+* **Payload**, what :func:`fsdp_guide.comm.count_collectives` measures: the elements of the
   logical tensor of each collective (the tensor all-reduced; the full tensor of a
   reduce-scatter or an all-gather). DDP issues one all-reduce of ``Ψ`` elements: payload Ψ.
 * **The paper's convention**: an all-reduce counts ``2Ψ``, because the paper builds it from a
@@ -24,20 +24,21 @@ it keeps it unsharded after forward, so ZeRO-3's all-gathers are ``2Ψ - R`` for
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
 
-from fsdp_guide.catalog._table import get_strategy
-from fsdp_guide.launcher._checks import check_world_size
+from fsdp_guide.catalog import get_strategy
+from fsdp_guide.engines import detect, engine_for
+from fsdp_guide.launcher import check_world_size
 
 _DTYPE_SIZES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp64": 8}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CommPrediction:
     """Predicted communication of one rank in one training step.
 
@@ -197,37 +198,36 @@ def predict_communication(
             f"root_unit_params must be between 0 and num_params={psi}, got {root_unit_params}"
         )
     size = _element_size(dtype)
-    if strategy in ("zero0", "zero2", "zero3"):
-        stage, name, shard = int(strategy[-1]), strategy, world_size
-        kind = {0: "ddp", 2: "fsdp_grad_op", 3: "zero3"}[stage]
+    if strategy in _PAPER:  # the paper's own algorithm, no engine
+        stage, name = int(strategy[-1]), strategy
+        payload, groups = _PAPER[strategy](psi, world_size, root_unit_params)
     else:
         spec = get_strategy(strategy)
         stage, name = spec.zero_stage, spec.name
-        shard = spec.shard_group_size(world_size)
-        kind = f"deepspeed_zero{stage}" if spec.engine == "deepspeed" else name
-    payload: dict[str, int]
-    groups: dict[str, int] = {}
-    if kind in ("ddp", "fsdp_no_shard"):
-        payload = {"all_reduce": psi}
-    elif kind in ("zero1", "oss"):
-        payload = {"all_reduce": psi, "broadcast": psi}
-    elif kind in ("sharded_ddp", "sharded_ddp_buckets"):
-        payload = {"reduce": psi, "broadcast": psi}
-    elif kind in ("deepspeed_zero1", "deepspeed_zero2"):
-        padded = -(-psi // (2 * world_size)) * 2 * world_size
-        payload = {"all_reduce": psi + 1, "all_gather": padded}
-    elif kind == "deepspeed_zero3":
-        payload = {"reduce_scatter": psi, "all_gather": psi, "all_reduce": 1}
-    elif kind == "fsdp_grad_op":
-        payload = {"reduce_scatter": psi, "all_gather": psi}
-    else:  # fully sharded: fsdp, fsdp2, fsdp_hybrid, fairscale_fsdp, the paper's zero3
-        payload = {"reduce_scatter": psi, "all_gather": 2 * psi - root_unit_params}
-        groups = {"reduce_scatter": shard, "all_gather": shard}
-        if name == "fsdp_hybrid":  # FSDP1 all-reduces across replicas even when there is one
-            payload["all_reduce"] = psi // shard
-            groups["all_reduce"] = world_size // shard
-    paper = (3 if stage == 3 else 2) * psi
-    return CommPrediction(name, psi, world_size, size, payload, groups, paper)
+        issued = engine_for(spec).collectives(psi, world_size, root_unit_params)
+        payload, groups = dict(issued.payload), dict(issued.groups)
+    return CommPrediction(
+        strategy=name,
+        num_params=psi,
+        world_size=world_size,
+        element_size=size,
+        payload=payload,
+        group_sizes=groups,
+        paper_elements=(3 if stage == 3 else 2) * psi,
+    )
+
+
+_Payload = tuple[dict[str, int], dict[str, int]]
+# ZeRO's algorithms as the paper describes them: DDP's all-reduce, stage 2's reduce-scatter
+# and all-gather, stage 3's two gathers per unit (the root gathered once).
+_PAPER: dict[str, Callable[[int, int, int], _Payload]] = {
+    "zero0": lambda psi, n, root: ({"all_reduce": psi}, {}),
+    "zero2": lambda psi, n, root: ({"reduce_scatter": psi, "all_gather": psi}, {}),
+    "zero3": lambda psi, n, root: (
+        {"reduce_scatter": psi, "all_gather": 2 * psi - root},
+        {"reduce_scatter": n, "all_gather": n},
+    ),
+}
 
 
 def root_unit_params(module: nn.Module) -> int:
@@ -235,7 +235,8 @@ def root_unit_params(module: nn.Module) -> int:
 
     FSDP1 (``FullyShardedDataParallel``) and FSDP2 (``fully_shard``) keep the root unit's
     parameters unsharded between forward and backward; every other unit is gathered again in
-    backward. The root unit holds the parameters not inside a nested unit.
+    backward. The root unit holds the parameters not inside a nested unit. The engine that
+    wrapped ``module`` counts them (:meth:`fsdp_guide.engines.Engine.root_unit_params`).
 
     Args:
         module: The wrapped model (the root FSDP1 module or the FSDP2 root module).
@@ -247,17 +248,4 @@ def root_unit_params(module: nn.Module) -> int:
         >>> root_unit_params(nn.Linear(2, 2))
         0
     """
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    if isinstance(module, FullyShardedDataParallel):
-        handle: Any = module._handle
-        return int(sum(handle.flat_param._numels)) if handle is not None else 0
-    if isinstance(module, FSDPModule) and isinstance(module, nn.Module):
-        nested = {
-            id(p)
-            for name, sub in module.named_modules()
-            if name and isinstance(sub, FSDPModule)
-            for p in module.get_submodule(name).parameters()
-        }
-        return sum(p.numel() for p in module.parameters() if id(p) not in nested)
-    return 0
+    return detect(module).root_unit_params(module)

@@ -18,16 +18,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp_guide.catalog import STRATEGIES, cpu_strategies
-from fsdp_guide.compare import run_comparison
+from fsdp_guide.comm import CommStats, count_collectives, predict_communication
+from fsdp_guide.compare import comparison_table, rows_as_json, run_comparison
 from fsdp_guide.launcher import launch
-from fsdp_guide.memory import (
-    CommStats,
-    comparison_table,
-    count_collectives,
-    measure_model_state,
-    predict_communication,
-    rows_as_json,
-)
+from fsdp_guide.memory import measure_model_state
 from fsdp_guide.models import build_model, count_params, loss_fn, shard_batch, synthetic_batch
 
 # DeepSpeed engines step through engine.backward/engine.step and hold their state in their own

@@ -1,0 +1,87 @@
+"""Engines: the implementations that shard a model, one adapter module each.
+
+An *engine* is what trains a model on many ranks: PyTorch DDP
+(:mod:`~fsdp_guide.engines.ddp`), ``ZeroRedundancyOptimizer``
+(:mod:`~fsdp_guide.engines.zero1`), FairScale OSS and ShardedDDP
+(:mod:`~fsdp_guide.engines.oss`, :mod:`~fsdp_guide.engines.sharded_ddp`), PyTorch FSDP1 and
+FSDP2 (:mod:`~fsdp_guide.engines.fsdp1`, :mod:`~fsdp_guide.engines.fsdp2`), FairScale FSDP
+(:mod:`~fsdp_guide.engines.fairscale_fsdp`) and DeepSpeed ZeRO
+(:mod:`~fsdp_guide.engines.deepspeed`). A *strategy* is a row of
+:data:`fsdp_guide.catalog.STRATEGIES`: an engine and its settings.
+:func:`engine_for` builds a strategy's engine; :func:`detect` names the engine of a trained
+model.
+
+Each adapter is an :class:`Engine`: how it wraps a model and builds the optimizer
+(:meth:`Engine.build`, used by :func:`wrap_for_strategy`), what each rank holds after
+``optimizer.step()`` (:meth:`Engine.layout`, in elements: a :class:`Layout`), the largest
+short-lived buffer (:meth:`Engine.transient`), the collectives of a step
+(:meth:`Engine.collectives`). The FSDP engines are also :class:`UnitEngine`\\ s: how a wrap
+policy becomes units and how to look inside one, which :mod:`fsdp_guide.wrap` asks.
+
+Adding an engine is one adapter module here, its entry in ``ENGINES`` and its rows in the
+catalog; memory, communication, comparison and the command line need nothing more.
+
+Examples:
+    >>> from fsdp_guide.engines import engine_for
+    >>> engine = engine_for("fsdp")
+    >>> engine.name, engine.stage_at_step, engine.collectives(1000, 4).payload
+    ('fsdp1', 3, {'reduce_scatter': 1000, 'all_gather': 2000})
+"""
+
+from __future__ import annotations
+
+from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient
+from fsdp_guide.engines._registry import (
+    ENGINES,
+    GRAD_BUFFERS,
+    PARAM_BUFFERS,
+    detect,
+    engine_for,
+    get_engine,
+    get_unit_engine,
+    unit_engines,
+    unit_of,
+    wrap_for_strategy,
+)
+from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
+from fsdp_guide.engines.ddp import DDP
+from fsdp_guide.engines.deepspeed import DeepSpeedZero, deepspeed_layout
+from fsdp_guide.engines.fairscale_fsdp import FairScaleFSDP
+from fsdp_guide.engines.fsdp1 import FSDP1
+from fsdp_guide.engines.fsdp2 import FSDP2, local_tensor
+from fsdp_guide.engines.oss import OSS
+from fsdp_guide.engines.plain import Plain
+from fsdp_guide.engines.sharded_ddp import ShardedDDP
+from fsdp_guide.engines.zero1 import Zero1
+
+__all__ = [
+    "DDP",
+    "ENGINES",
+    "FSDP1",
+    "FSDP2",
+    "GRAD_BUFFERS",
+    "OSS",
+    "PARAM_BUFFERS",
+    "Built",
+    "Collectives",
+    "DeepSpeedZero",
+    "Engine",
+    "FairScaleFSDP",
+    "Layout",
+    "Plain",
+    "ShardedDDP",
+    "Transient",
+    "UnitEngine",
+    "UnitPolicy",
+    "UnitView",
+    "Zero1",
+    "deepspeed_layout",
+    "detect",
+    "engine_for",
+    "get_engine",
+    "get_unit_engine",
+    "local_tensor",
+    "unit_engines",
+    "unit_of",
+    "wrap_for_strategy",
+]

@@ -1,0 +1,264 @@
+"""What every engine adapter answers: the :class:`Engine` base class and its records (private).
+
+An *engine* is the implementation that shards (or replicates) a model across ranks: PyTorch
+DDP, ``ZeroRedundancyOptimizer``, FairScale OSS and ShardedDDP, PyTorch FSDP1 and FSDP2,
+FairScale FSDP, DeepSpeed ZeRO. A catalog row (a *strategy*) names an engine and its
+settings; the adapter, built from those settings, is the one place that knows how the
+engine wraps a model, what each rank holds and what it sends per step. The rest of the
+package asks it instead of branching on names.
+
+Records are counted in **elements**, not bytes: an engine decides how many parameter,
+gradient and optimizer-state elements a rank keeps, the precision decides how many bytes
+each is (:func:`fsdp_guide.memory.bytes_per_param`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+#: What :meth:`Engine.build` returns: the module to train and its optimizer. A DeepSpeed
+#: engine's optimizer is DeepSpeed's ZeRO optimizer, typed as the torch optimizer it wraps.
+Built = tuple[nn.Module, torch.optim.Optimizer]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """What one rank holds after ``optimizer.step()``, in elements.
+
+    Attributes:
+        params: Parameter elements, padding included.
+        grads: Gradient elements kept after the step.
+        optimizer: Elements whose optimizer state (Adam's two moments) this rank keeps.
+        steps: Optimizer step tensors (Adam keeps a 0-d ``step`` per tensor it updates).
+        master: Elements of an fp32 master copy kept apart from ``params`` (DeepSpeed).
+        buckets: Elements of communication buckets kept between steps (DeepSpeed ZeRO-3's
+            reduce bucket, its offload staging buffers).
+
+    Examples:
+        >>> Layout(params=10, grads=10, optimizer=5, steps=1)
+        Layout(params=10, grads=10, optimizer=5, steps=1, master=0, buckets=0)
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    steps: int
+    master: int = 0
+    buckets: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collectives:
+    """The collectives one rank issues in one training step, by kind.
+
+    Attributes:
+        payload: Payload elements per kind (``"all_reduce"``, ``"reduce_scatter"``, ...):
+            the tensor all-reduced, the full tensor reduce-scattered or all-gathered.
+        groups: Ranks in the group of a kind, where it is not every rank (a hybrid
+            engine's reduce-scatter spans one shard group, its all-reduce the replicas).
+
+    Examples:
+        >>> Collectives(payload={"all_reduce": 10}).groups
+        {}
+    """
+
+    payload: Mapping[str, int]
+    groups: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Transient:
+    """The largest buffer a rank holds only for a while during a step, beyond its state.
+
+    Attributes:
+        bytes: Its size.
+        kind: What it is, in words.
+    """
+
+    bytes: int
+    kind: str
+
+
+@dataclass(frozen=True)
+class Engine(ABC):
+    """One implementation that trains a model on many ranks, configured by a strategy's settings.
+
+    A subclass is a frozen dataclass whose fields are the settings a catalog row may give
+    (``FSDP1(sharding_strategy="SHARD_GRAD_OP")``); :func:`fsdp_guide.engines.engine_for`
+    builds it from a row. It answers for its engine, and only for it:
+
+    * **build**: wrap a model and build its Adam optimizer inside a launched rank;
+    * **recognise**: whether a trained model and optimizer are its own;
+    * **memory**: the ZeRO stage that describes the state after ``optimizer.step()``, the
+      ranks it shards over, each rank's :class:`Layout` (to the element), the largest
+      :class:`Transient` buffer;
+    * **communication**: the :class:`Collectives` of one step;
+    * **training**: one backward and optimizer step, and clearing the gradients.
+
+    Checkpoint formats and FSDP units are answered by the same adapters, through the
+    methods of :class:`~fsdp_guide.engines.UnitEngine` and the checkpoint hooks below.
+    """
+
+    #: The engine's name, as catalog rows give it (:attr:`~fsdp_guide.catalog.StrategySpec.engine`).
+    name: ClassVar[str]
+    #: What it is, in a few words.
+    title: ClassVar[str]
+    #: Older spellings of :attr:`name` still accepted.
+    aliases: ClassVar[tuple[str, ...]] = ()
+    #: Tensors hung on a parameter that hold its data (shards, gathered copies).
+    param_buffers: ClassVar[tuple[str, ...]] = ()
+    #: Tensors hung on a parameter that hold a gradient shard.
+    grad_buffers: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    @abstractmethod
+    def recognises(cls, model: nn.Module, optimizer: object) -> bool:
+        """Whether ``model`` and ``optimizer`` were built by this engine."""
+
+    @classmethod
+    def from_model(cls, model: nn.Module, optimizer: object) -> Engine:
+        """This engine as it built ``model`` (which it :meth:`recognises`): its settings where
+        the objects tell them, else the defaults."""
+        return cls()
+
+    @abstractmethod
+    def build(self, model: nn.Module, *, device: torch.device, world_size: int, lr: float) -> Built:
+        """Wrap ``model`` (already on ``device``) and build its Adam optimizer, in a launched rank.
+
+        Args:
+            model: The model, identical on every rank.
+            device: This rank's device.
+            world_size: Number of ranks.
+            lr: Adam's learning rate.
+        """
+
+    @property
+    @abstractmethod
+    def stage_at_step(self) -> int:
+        """The ZeRO stage whose formula describes the state held after ``optimizer.step()``."""
+
+    @property
+    def full_grads(self) -> bool:
+        """Whether every rank keeps a full-size gradient buffer whatever the stage."""
+        return False
+
+    def shard_group_size(self, world_size: int) -> int:
+        """Ranks the state is sharded over (all of them, unless the engine shards in groups)."""
+        return world_size
+
+    @abstractmethod
+    def layout(
+        self, shapes: Sequence[Sequence[int]], world_size: int, *, fp32_adam: bool = True
+    ) -> tuple[Layout, ...] | None:
+        """What each rank holds after ``optimizer.step()``, ``[r]`` for rank ``r``.
+
+        Args:
+            shapes: The shape of each parameter, in ``model.parameters()`` order.
+            world_size: Ranks.
+            fp32_adam: Whether the model trains in fp32 with Adam, the setting every layout
+                was measured in; an engine whose layout depends on it returns ``None``
+                otherwise.
+
+        Returns:
+            One :class:`Layout` per rank, or ``None`` where the layout is not known (the
+            caller falls back to the ZeRO formula).
+        """
+
+    def own_formula(self, param_numels: Sequence[int], world_size: int) -> Layout | None:
+        """The engine's own formula where the ZeRO formula's layout does not apply, else None.
+
+        DeepSpeed keeps a separate master copy and pads its partitions, so its state after
+        the step is not the ZeRO formula's; every other engine is (up to rounding).
+        """
+        return None
+
+    @abstractmethod
+    def transient(
+        self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int
+    ) -> Transient:
+        """The largest short-lived buffer of a step, beyond this rank's share of the state.
+
+        Args:
+            param_bytes: Bytes per parameter element.
+            grad_bytes: Bytes per gradient element.
+            num_params: Parameters of the model.
+            largest_unit: Parameters of the largest unit (a transformer block, say).
+        """
+
+    @abstractmethod
+    def collectives(
+        self, num_params: int, world_size: int, root_unit_params: int = 0
+    ) -> Collectives:
+        """What one rank issues in one training step.
+
+        Args:
+            num_params: Parameters of the model (``Ψ``).
+            world_size: Ranks.
+            root_unit_params: Parameters of a fully sharded model's root unit, which is
+                gathered once per step, not twice (ignored by the other engines).
+        """
+
+    def root_unit_params(self, module: nn.Module) -> int:
+        """Parameters of the root unit of a module this engine wrapped; 0 without units."""
+        return 0
+
+    def optimizer_of(self, module: nn.Module, optimizer: object) -> Any:
+        """The optimizer whose state ``module``'s rank holds: ``optimizer``, unless the engine
+        owns one (a DeepSpeed engine's, whichever of its names was given).
+
+        Raises:
+            ValueError: For an optimizer the engine does not use.
+        """
+        return optimizer
+
+    def state_tensors(self, module: nn.Module, optimizer: object) -> dict[str, list[Any]] | None:
+        """The tensors a rank holds by :class:`~fsdp_guide.memory.ModelState` field, where
+        the generic walk over parameters, gradients and optimizer state would miss them
+        (DeepSpeed's flat partitions); ``None`` for the generic walk."""
+        return None
+
+    def train_step(self, module: nn.Module, optimizer: Any, loss: torch.Tensor) -> None:
+        """Backward and one optimizer step."""
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+
+    def zero_grad(self, module: nn.Module, optimizer: Any) -> None:
+        """Clear the gradients for the next step.
+
+        Through the module: ShardedDDP's own ``zero_grad`` clears its gradient buckets in
+        place, where ``optimizer.zero_grad()`` would set ``.grad`` to None and detach them.
+        """
+        module.zero_grad()
+
+
+def adam(params: Any, lr: float) -> torch.optim.Optimizer:
+    """torch's Adam, the optimizer every engine trains with here."""
+    return torch.optim.Adam(params, lr=lr)
+
+
+def replicated(world_size: int, one: Layout) -> tuple[Layout, ...]:
+    """The same layout on every rank."""
+    return (one,) * world_size
+
+
+def fully_sharded(num_params: int, shard: int, root_unit_params: int) -> Collectives:
+    """ZeRO-3's collectives within shard groups of ``shard`` ranks.
+
+    Reduce-scatter the gradients, gather every unit but the root twice: FSDP keeps the root
+    unit unsharded from forward to backward, so only the other units are gathered again in
+    backward, ``2Ψ - R``.
+
+    Examples:
+        >>> fully_sharded(1000, 2, 100).payload
+        {'reduce_scatter': 1000, 'all_gather': 1900}
+    """
+    return Collectives(
+        payload={"reduce_scatter": num_params, "all_gather": 2 * num_params - root_unit_params},
+        groups={"reduce_scatter": shard, "all_gather": shard},
+    )

@@ -1,0 +1,218 @@
+"""DeepSpeed ZeRO (stages 1-3, offload): DeepSpeed's own layout of the ZeRO stages.
+
+DeepSpeed lays the stages out differently from the ZeRO formulas: stages 1 and 2 keep every
+parameter in full *and* an fp32 master copy of the rank's partition of a flat buffer padded
+to a multiple of ``2N``; stage 3 a parameter shard per tensor (padded to a multiple of
+``N``), a master shard, a gradient buffer kept for the whole run and its reduce bucket;
+``engine.step()`` clears the other gradients. Its collectives differ too: stages 1 and 2
+all-reduce the whole gradient (not a reduce-scatter) and all-gather the updated partitions;
+stage 3 gathers each parameter once per step. DeepSpeed itself is the optional ``deepspeed``
+extra, imported only when an engine is built (:mod:`fsdp_guide.deepspeed`).
+
+Examples:
+    >>> engine = DeepSpeedZero(stage=2)
+    >>> engine.collectives(1001, 2).payload
+    {'all_reduce': 1002, 'all_gather': 1004}
+    >>> deepspeed_layout([1000, 10], 4, 3, reduce_bucket_size=100)
+    Layout(params=253, grads=253, optimizer=253, steps=1, master=253, buckets=100)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient, replicated
+from fsdp_guide.engines._deepspeed_state import (
+    deepspeed_state_tensors,
+    engine_optimizer,
+    is_deepspeed_engine,
+    zero_stage_of,
+)
+from fsdp_guide.launcher import check_world_size
+
+#: DeepSpeed's default ``reduce_bucket_size`` (elements).
+DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
+
+
+def _check_numels(param_numels: int | Sequence[int]) -> list[int]:
+    numels = [param_numels] if isinstance(param_numels, int) else list(param_numels)
+    if not numels or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in numels):
+        raise ValueError(
+            "param_numels must be a positive int or a non-empty sequence of them (the sizes "
+            f"of the parameter tensors), got {param_numels!r}"
+        )
+    return numels
+
+
+def deepspeed_layout(
+    param_numels: int | Sequence[int],
+    world_size: int,
+    stage: int,
+    *,
+    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+) -> Layout:
+    """What a rank of a DeepSpeed engine holds after ``engine.step()``, in elements.
+
+    The byte counts, their table and the assumptions are those of
+    :func:`fsdp_guide.memory.estimate_deepspeed_state`, which multiplies these by fp32's 4
+    bytes (8 for Adam's two moments).
+
+    Raises:
+        ValueError: For bad sizes, world size or stage, or an offload the stage lacks.
+    """
+    numels = _check_numels(param_numels)
+    check_world_size(world_size)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if isinstance(reduce_bucket_size, bool) or not isinstance(reduce_bucket_size, int):
+        raise ValueError(f"reduce_bucket_size must be an int, got {reduce_bucket_size!r}")
+    if reduce_bucket_size < 1:
+        raise ValueError(f"reduce_bucket_size must be >= 1 element, got {reduce_bucket_size}")
+    if offload_optimizer and stage == 0:
+        raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3")
+    if offload_param and stage != 3:
+        raise ValueError("offload_param needs ZeRO stage 3")
+    total = sum(numels)
+    if stage == 0:
+        return Layout(params=total, grads=0, optimizer=total, steps=len(numels))
+    if stage == 3:
+        shard = sum(math.ceil(n / world_size) for n in numels)
+        return Layout(
+            params=shard,
+            master=shard,
+            grads=shard * (2 if offload_optimizer else 1),  # + the master copy's gradient
+            buckets=reduce_bucket_size,
+            optimizer=shard,
+            steps=1,
+        )
+    alignment = 2 * world_size  # two 16-bit elements: 4-byte aligned partition starts
+    padded = math.ceil(total / alignment) * alignment
+    partition = padded // world_size
+    offloaded = 1 if offload_optimizer else 0
+    return Layout(
+        params=padded + offloaded * partition,  # a partition waiting for the all-gather
+        master=partition,
+        grads=partition * offloaded,
+        buckets=2 * max(numels) * offloaded,  # two staging buffers of the largest tensor
+        optimizer=partition,
+        steps=1,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedZero(Engine):
+    """A DeepSpeed engine with torch's Adam (:func:`fsdp_guide.deepspeed.zero_config`).
+
+    Attributes:
+        stage: ZeRO stage, 0 to 3 (the catalog names 1 to 3; 0 is data parallelism).
+        offload_optimizer: Keep the optimizer state and its step in host memory.
+        offload_params: Keep ZeRO-3's parameter shards in host memory too.
+    """
+
+    name = "deepspeed"
+    title = "DeepSpeed ZeRO"
+    stage: int
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        if self.offload_params and not (self.stage == 3 and self.offload_optimizer):
+            raise ValueError("offload_params needs stage=3 and offload_optimizer=True")
+
+    @classmethod
+    def recognises(cls, model: nn.Module, optimizer: object) -> bool:
+        return is_deepspeed_engine(model) or zero_stage_of(optimizer) is not None
+
+    @classmethod
+    def from_model(cls, model: nn.Module, optimizer: object) -> Engine:
+        engine: Any = model
+        if is_deepspeed_engine(model):
+            return cls(stage=int(engine.zero_optimization_stage()))
+        if zero_stage_of(optimizer) == 3:
+            return cls(stage=3)
+        # One ZeRO-1/2 optimizer class for both stages: stage 2 partitions the gradients.
+        return cls(stage=2 if getattr(optimizer, "partition_gradients", False) else 1)
+
+    def build(self, model: nn.Module, *, device: torch.device, world_size: int, lr: float) -> Built:
+        from fsdp_guide.deepspeed import initialize, zero_config
+
+        config = zero_config(
+            self.stage,
+            lr=lr,
+            offload_optimizer=self.offload_optimizer,
+            offload_params=self.offload_params,
+        )
+        engine, optimizer = initialize(model, config)
+        return engine, cast(torch.optim.Optimizer, optimizer)
+
+    @property
+    def stage_at_step(self) -> int:
+        return self.stage
+
+    def own_formula(self, param_numels: Sequence[int], world_size: int) -> Layout:
+        from fsdp_guide.deepspeed import BUCKET_ELEMENTS
+
+        return deepspeed_layout(
+            list(param_numels),
+            world_size,
+            self.stage,
+            reduce_bucket_size=BUCKET_ELEMENTS,
+            offload_optimizer=self.offload_optimizer,
+            offload_param=self.offload_params,
+        )
+
+    def layout(
+        self, shapes: Sequence[Sequence[int]], world_size: int, *, fp32_adam: bool = True
+    ) -> tuple[Layout, ...] | None:
+        if not fp32_adam:  # measured for fp32 Adam only
+            return None
+        numels = [math.prod(shape) for shape in shapes]
+        return replicated(world_size, self.own_formula(numels, world_size))
+
+    def transient(
+        self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int
+    ) -> Transient:
+        if self.stage == 3:
+            return Transient(
+                bytes=(param_bytes + grad_bytes) * largest_unit,
+                kind="largest gathered unit (params + grads)",
+            )
+        return Transient(bytes=0, kind="none known beyond the state")
+
+    def collectives(
+        self, num_params: int, world_size: int, root_unit_params: int = 0
+    ) -> Collectives:
+        if self.stage == 3:  # gathered once per step; the all-reduce is the overflow check
+            return Collectives(
+                payload={"reduce_scatter": num_params, "all_gather": num_params, "all_reduce": 1}
+            )
+        if self.stage == 0:  # not a catalog row: data parallelism's all-reduce, not measured
+            return Collectives(payload={"all_reduce": num_params})
+        padded = -(-num_params // (2 * world_size)) * 2 * world_size
+        return Collectives(payload={"all_reduce": num_params + 1, "all_gather": padded})
+
+    def optimizer_of(self, module: nn.Module, optimizer: object) -> Any:
+        return engine_optimizer(module, optimizer) if is_deepspeed_engine(module) else optimizer
+
+    def state_tensors(self, module: nn.Module, optimizer: object) -> dict[str, list[Any]] | None:
+        if zero_stage_of(optimizer) is None:  # ZeRO-0: torch's optimizer, walked as usual
+            return None
+        return deepspeed_state_tensors(module, optimizer)
+
+    def train_step(self, module: nn.Module, optimizer: Any, loss: torch.Tensor) -> None:
+        from fsdp_guide.deepspeed import backward_and_step
+
+        backward_and_step(module, optimizer, loss)
+
+    def zero_grad(self, module: nn.Module, optimizer: Any) -> None:
+        """Nothing: ``engine.step()`` has zeroed the gradients already."""

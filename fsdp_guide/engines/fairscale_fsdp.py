@@ -1,0 +1,181 @@
+"""FairScale's ``FullyShardedDataParallel`` (CUDA only): one flat parameter per unit.
+
+Like PyTorch FSDP1 it flattens each unit's parameters, pads them to a multiple of the ranks
+and cuts them into equal chunks, so a rank holds the same bytes after the step. It computes
+on the rank's GPU and needs NCCL: on CPU, PyTorch FSDP1 or FSDP2 take its place.
+
+Examples:
+    >>> FairScaleFSDP().layout([(10,), (7,)], 2)[1].params
+    9
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_guide.engines._base import Built, Collectives, Layout, Transient, adam, fully_sharded
+from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
+from fsdp_guide.engines.fsdp1 import FSDP1
+from fsdp_guide.errors import EngineUnavailableError
+
+
+def _fairscale_fsdp_class() -> type[nn.Module] | None:
+    """FairScale's FSDP class, or ``None`` while FairScale is not imported (nothing can be
+    wrapped by it then)."""
+    if "fairscale" not in sys.modules:
+        return None
+    from fairscale.nn import FullyShardedDataParallel
+
+    cls: type[nn.Module] = FullyShardedDataParallel
+    return cls
+
+
+class UnmutatedStateDict:
+    """Hands FairScale an optimizer state dict it may change without changing the optimizer.
+
+    ``FullyShardedDataParallel.gather_full_optim_state_dict`` turns each ``step`` tensor
+    of ``optim.state_dict()`` into a float in place; that dict's per-parameter entries are
+    the optimizer's own, and the next ``optimizer.step()`` then fails ("state_steps
+    argument must contain a list of singleton tensors"). Copying the entries (not the
+    tensors in them) keeps the live optimizer intact.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state dict with fresh per-parameter entries."""
+        state = self.optimizer.state_dict()
+        return {**state, "state": {k: dict(v) for k, v in state["state"].items()}}
+
+
+@dataclass(frozen=True)
+class FairScaleFSDP(UnitEngine):
+    """FairScale FSDP with Adam, full precision, the whole model one unit."""
+
+    name = "fairscale_fsdp"
+    title = "FairScale FullyShardedDataParallel"
+    aliases = ("fairscale",)  # shard()'s name for it before the catalog named every engine
+    # FairScale 0.4.13 (FullyShardedDataParallel._init_param_attributes): the fp32 shard, a
+    # 16-bit copy, the padded gathered parameter; gradient shards (it makes them p.grad).
+    param_buffers = ("_fp32_shard", "_fp16_shard", "_full_param_padded")
+    grad_buffers = ("_saved_grad_shard", "_cpu_grad")
+
+    @classmethod
+    def recognises(cls, model: nn.Module, optimizer: object) -> bool:
+        fsdp = _fairscale_fsdp_class()
+        return fsdp is not None and isinstance(model, fsdp)
+
+    def build(self, model: nn.Module, *, device: torch.device, world_size: int, lr: float) -> Built:
+        from fairscale.nn import FullyShardedDataParallel
+
+        module: nn.Module = FullyShardedDataParallel(model, mixed_precision=False)
+        return module, adam(module.parameters(), lr)
+
+    @property
+    def stage_at_step(self) -> int:
+        return 3
+
+    def layout(
+        self, shapes: Sequence[Sequence[int]], world_size: int, *, fp32_adam: bool = True
+    ) -> tuple[Layout, ...] | None:
+        return FSDP1().layout(shapes, world_size)  # the same flat, padded shards
+
+    def transient(
+        self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int
+    ) -> Transient:
+        return Transient(
+            bytes=(param_bytes + grad_bytes) * largest_unit,
+            kind="largest gathered unit (params + grads)",
+        )
+
+    def collectives(
+        self, num_params: int, world_size: int, root_unit_params: int = 0
+    ) -> Collectives:
+        return fully_sharded(num_params, world_size, root_unit_params)
+
+    def full_optimizer_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any] | None:
+        """The whole optimizer state gathered on rank 0 (collective); ``None`` elsewhere.
+
+        The live optimizer keeps its ``step`` tensors (see :class:`UnmutatedStateDict`).
+        """
+        gather: Any = model.gather_full_optim_state_dict
+        full: dict[str, Any] | None = gather(UnmutatedStateDict(optimizer))
+        return full
+
+    # Units, for wrap's shard(), wrapping() and describe().
+
+    def check_available(self) -> None:
+        if not torch.cuda.is_available():
+            raise EngineUnavailableError(
+                "engine 'fairscale_fsdp' (FairScale's FullyShardedDataParallel) needs CUDA, and "
+                "no GPU is visible; on CPU use engine='fsdp1' (PyTorch FSDP1) or engine='fsdp2' "
+                "(PyTorch fully_shard)"
+            )
+
+    def unit_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        from fsdp_guide.launcher import rank_device
+
+        device = rank_device()
+        if device.type != "cuda":
+            # Its rank device would be the CPU, where FairScale's FSDP cannot compute.
+            raise EngineUnavailableError(
+                "engine 'fairscale' computes on the rank's GPU, which needs the NCCL backend; "
+                "this process group does not use NCCL. Launch with backend='nccl', or use "
+                "engine='torch' or engine='fsdp2' on CPU"
+            )
+        options.setdefault("compute_device", device)
+        return options
+
+    def shard(
+        self, module: nn.Module, policy: UnitPolicy | None, options: dict[str, Any]
+    ) -> nn.Module:
+        from fairscale.nn import FullyShardedDataParallel
+        from fairscale.nn.wrap import auto_wrap, enable_wrap
+
+        if policy is not None:
+            with enable_wrap(
+                wrapper_cls=FullyShardedDataParallel,
+                auto_wrap_policy=policy.for_fairscale(),
+                **options,
+            ):
+                module = auto_wrap(module)
+        wrapped: nn.Module = FullyShardedDataParallel(module, **options)
+        return wrapped
+
+    def wrapping_context(self, options: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+        from fairscale.nn import FullyShardedDataParallel
+        from fairscale.nn.wrap import enable_wrap
+
+        context: contextlib.AbstractContextManager[None] = enable_wrap(
+            wrapper_cls=FullyShardedDataParallel, **options
+        )
+        return context
+
+    def wrap_unit(
+        self, module: nn.Module, options: dict[str, Any], overrides: dict[str, Any]
+    ) -> nn.Module:
+        from fairscale.nn.wrap import wrap
+
+        wrapped: nn.Module = wrap(module, **overrides)  # the block's options are enable_wrap's
+        return wrapped
+
+    @classmethod
+    def unit(cls, module: nn.Module) -> UnitView | None:
+        if not cls.recognises(module, None):
+            return None
+        # FairScale keeps each (flat) parameter's unsharded size in ``_orig_size``.
+        sizes: list[torch.Size] = [p._orig_size for p in getattr(module, "params", [])]
+        inner = module.get_submodule("_fsdp_wrapped_module")
+        if hasattr(inner, "_fpw_module"):  # FlattenParamsWrapper
+            inner = inner.get_submodule("_fpw_module")
+        return UnitView(inner=inner, params=sum(size.numel() for size in sizes))

@@ -1,0 +1,223 @@
+"""PyTorch FSDP1 (``FullyShardedDataParallel``): one flat parameter per unit, cut in equal chunks.
+
+Each unit's parameters are flattened into one ``FlatParameter``, padded to a multiple of the
+shard group and cut into equal chunks; Adam sees one tensor per unit. The sharding strategy
+decides what is kept after the step: ``FULL_SHARD`` and ``SHARD_GRAD_OP`` hold stage-3 state
+there (``SHARD_GRAD_OP`` is ZeRO-2 only between forward and backward, when it keeps every
+unit gathered), ``NO_SHARD`` stage-0 state, and ``HYBRID_SHARD`` shards within groups of
+``shard_group`` ranks and all-reduces each shard across the groups.
+
+Examples:
+    >>> FSDP1(sharding_strategy="SHARD_GRAD_OP").stage_at_step
+    3
+    >>> hybrid = FSDP1(sharding_strategy="HYBRID_SHARD", shard_group=2)
+    >>> hybrid.shard_group_size(4), hybrid.collectives(100, 4, 100).payload
+    (2, {'reduce_scatter': 100, 'all_gather': 100, 'all_reduce': 50})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from fsdp_guide.engines._base import (
+    Built,
+    Collectives,
+    Layout,
+    Transient,
+    adam,
+    fully_sharded,
+    replicated,
+)
+from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
+
+ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+
+
+def _fsdp1_class() -> type[nn.Module]:
+    """``torch.distributed.fsdp.FullyShardedDataParallel``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDP1(UnitEngine):
+    """PyTorch FSDP1 with Adam, the whole model one unit when built for a strategy.
+
+    Attributes:
+        sharding_strategy: A ``torch.distributed.fsdp.ShardingStrategy`` name.
+        shard_group: Ranks per shard group, for ``HYBRID_SHARD`` only (when the world
+            divides by it; else one group of every rank).
+    """
+
+    name = "fsdp1"
+    title = "PyTorch FSDP1 (FullyShardedDataParallel)"
+    aliases = ("torch",)  # shard()'s name for it before the catalog named every engine
+    # On the FlatParameter: its shard, a low-precision copy of the shard, the padded
+    # gathered parameter (FlatParamHandle.init_flat_param_attributes); gradient shards.
+    param_buffers = (
+        "_local_shard",
+        "_mp_shard",
+        "_full_param_padded",
+        "_full_prec_full_param_padded",
+    )
+    grad_buffers = ("_saved_grad_shard", "_cpu_grad")
+
+    sharding_strategy: ShardingStrategyName = "FULL_SHARD"
+    shard_group: int | None = None
+
+    def __post_init__(self) -> None:
+        choices = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+        if self.sharding_strategy not in choices:
+            raise ValueError(
+                f"unknown sharding_strategy {self.sharding_strategy!r}; choose one of "
+                f"{', '.join(choices)}"
+            )
+        if (self.shard_group is not None) != self.hybrid:
+            raise ValueError(
+                "shard_group is the size of HYBRID_SHARD's groups: give it with "
+                f"sharding_strategy='HYBRID_SHARD' and only then, got {self!r}"
+            )
+        if self.shard_group is not None and (
+            isinstance(self.shard_group, bool) or self.shard_group < 1
+        ):
+            raise ValueError(f"shard_group must be an int >= 1, got {self.shard_group!r}")
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether it shards within groups and replicates across them."""
+        return self.sharding_strategy == "HYBRID_SHARD"
+
+    @classmethod
+    def recognises(cls, model: nn.Module, optimizer: object) -> bool:
+        return isinstance(model, _fsdp1_class())
+
+    def build(self, model: nn.Module, *, device: torch.device, world_size: int, lr: float) -> Built:
+        from torch.distributed.fsdp import ShardingStrategy
+
+        kwargs: dict[str, Any] = {}
+        if self.hybrid:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shard = self.shard_group_size(world_size)
+            # A 2-D mesh (replicate, shard): no GPU-count guessing, so it runs on gloo too.
+            kwargs["device_mesh"] = init_device_mesh(
+                device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard")
+            )
+        module = _fsdp1_class()(
+            model,
+            device_id=device,
+            sharding_strategy=ShardingStrategy[self.sharding_strategy],
+            **kwargs,
+        )
+        return module, adam(module.parameters(), lr)
+
+    @property
+    def stage_at_step(self) -> int:
+        return 0 if self.sharding_strategy == "NO_SHARD" else 3
+
+    def shard_group_size(self, world_size: int) -> int:
+        if self.shard_group is not None and world_size % self.shard_group == 0:
+            return self.shard_group
+        return world_size
+
+    def layout(
+        self, shapes: Sequence[Sequence[int]], world_size: int, *, fp32_adam: bool = True
+    ) -> tuple[Layout, ...] | None:
+        """One flat parameter for the whole model, cut into chunks of ``ceil(Ψ / group)``.
+
+        Examples:
+            >>> FSDP1().layout([(10,), (7,)], 2)[0]  # 17 elements padded to 18
+            Layout(params=9, grads=9, optimizer=9, steps=1, master=0, buckets=0)
+        """
+        total = sum(math.prod(shape) for shape in shapes)
+        group = self.shard_group_size(world_size)
+        flat = math.ceil(total / group) if self.stage_at_step >= 3 else total
+        return replicated(world_size, Layout(params=flat, grads=flat, optimizer=flat, steps=1))
+
+    def transient(
+        self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int
+    ) -> Transient:
+        if self.sharding_strategy == "SHARD_GRAD_OP":
+            # It keeps every unit gathered from its forward until backward ends.
+            return Transient(
+                bytes=param_bytes * num_params + grad_bytes * largest_unit,
+                kind="all parameters gathered (forward to backward) + a unit's grads",
+            )
+        if self.stage_at_step >= 3:
+            return Transient(
+                bytes=(param_bytes + grad_bytes) * largest_unit,
+                kind="largest gathered unit (params + grads)",
+            )
+        # A flat parameter's gradient is concatenated from its parameters' gradients, which
+        # autograd holds until the unit's last one arrives; it is then all-reduced in place.
+        return Transient(
+            bytes=grad_bytes * largest_unit, kind="a unit's gradients before they are flattened"
+        )
+
+    def collectives(
+        self, num_params: int, world_size: int, root_unit_params: int = 0
+    ) -> Collectives:
+        if self.sharding_strategy == "NO_SHARD":
+            return Collectives(payload={"all_reduce": num_params})
+        if self.sharding_strategy == "SHARD_GRAD_OP":  # gathered once, kept until backward
+            return Collectives(payload={"reduce_scatter": num_params, "all_gather": num_params})
+        shard = self.shard_group_size(world_size)
+        sharded = fully_sharded(num_params, shard, root_unit_params)
+        if not self.hybrid:
+            return sharded
+        # Each gradient shard is all-reduced across the replicas, even when there is one.
+        return Collectives(
+            payload={**sharded.payload, "all_reduce": num_params // shard},
+            groups={**sharded.groups, "all_reduce": world_size // shard},
+        )
+
+    def root_unit_params(self, module: nn.Module) -> int:
+        if not isinstance(module, _fsdp1_class()):
+            return 0
+        handle: Any = module._handle
+        return int(sum(handle.flat_param._numels)) if handle is not None else 0
+
+    # Units, for wrap's shard(), wrapping() and describe().
+
+    def unit_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        from fsdp_guide.launcher import rank_device
+
+        # FSDP1 must be told which device to run on: the rank's, by backend (the CPU under
+        # gloo even where CUDA is there), as for the other engines.
+        options.setdefault("device_id", rank_device())
+        return options
+
+    def shard(
+        self, module: nn.Module, policy: UnitPolicy | None, options: dict[str, Any]
+    ) -> nn.Module:
+        auto_wrap_policy = policy.for_torch() if policy is not None else None
+        return _fsdp1_class()(module, auto_wrap_policy=auto_wrap_policy, **options)
+
+    def wrapping_context(self, options: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        return enable_wrap(wrapper_cls=_fsdp1_class(), **options)
+
+    def wrap_unit(
+        self, module: nn.Module, options: dict[str, Any], overrides: dict[str, Any]
+    ) -> nn.Module:
+        from torch.distributed.fsdp.wrap import wrap
+
+        return wrap(module, **overrides)  # the block's options are enable_wrap's
+
+    @classmethod
+    def unit(cls, module: nn.Module) -> UnitView | None:
+        if not isinstance(module, _fsdp1_class()):
+            return None
+        handle = getattr(module, "_handle", None)
+        flat = handle.flat_param if handle is not None else None
+        params = int(sum(flat._numels)) if flat is not None else 0
+        return UnitView(inner=module.get_submodule("_fsdp_wrapped_module"), params=params)

@@ -1,0 +1,188 @@
+"""PyTorch FSDP2 (``fully_shard``): each parameter a DTensor sharded by rows.
+
+``fully_shard`` replaces each parameter by a ``DTensor`` sharded along its first dimension
+over a device mesh: a parameter of ``r`` rows is cut into chunks of ``ceil(r / N)`` rows.
+Parameters and gradients keep the padded chunk on every rank; Adam's moments only the rows a
+rank really has (none on some ranks), and a step tensor per parameter. A unit is gathered for
+its forward and again for its backward, except the root, kept gathered in between.
+
+Examples:
+    Rows of 10 and 7 on 2 ranks: chunks of 5 and 4 rows, so rank 1 has 5 + 3 elements.
+
+    >>> [(s.params, s.optimizer) for s in FSDP2().layout([(10,), (7,)], 2)]
+    [(9, 9), (9, 8)]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_guide.engines._base import Built, Collectives, Layout, Transient, adam, fully_sharded
+from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds: a DTensor's (FSDP2) local shard, else ``tensor``.
+
+    Args:
+        tensor: A plain tensor, a parameter or a ``DTensor``.
+
+    Returns:
+        The local tensor, whose storage is what this rank allocated.
+
+    Examples:
+        >>> weight = torch.ones(2, 3)
+        >>> local_tensor(weight) is weight
+        True
+    """
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(tensor, DTensor):
+            return tensor.to_local()
+    return tensor
+
+
+def rows_per_shard(shapes: Sequence[Sequence[int]], group: int) -> tuple[int, list[int]]:
+    """Padded elements per shard, and the elements each of the ``group`` shards really has.
+
+    A parameter of ``r`` rows of ``w`` elements is cut into chunks of ``c = ceil(r / N)``
+    rows: the first ``r // c`` shards get ``c`` rows, the next the remainder, the rest none.
+    A difference array adds that up for all shards at once.
+
+    Examples:
+        >>> rows_per_shard([(3, 2)], 2)  # chunks of 2 rows: 4 elements, then 2
+        (4, [4, 2])
+    """
+    padded = 0
+    diff = [0] * (group + 1)
+    for shape in shapes:
+        rows = shape[0] if len(shape) else 1  # a 0-d parameter is one row of one
+        width = math.prod(shape) // rows if rows else 0
+        chunk = math.ceil(rows / group)
+        padded += chunk * width
+        if chunk == 0:
+            continue
+        full, rest = divmod(rows, chunk)
+        diff[0] += chunk * width
+        diff[full] -= chunk * width
+        if rest:
+            diff[full] += rest * width
+            diff[full + 1] -= rest * width
+    return padded, list(itertools.accumulate(diff[:group]))
+
+
+def _fsdp_module() -> type[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDP2(UnitEngine):
+    """PyTorch FSDP2 with Adam: ``fully_shard`` on each transformer block, then the root."""
+
+    name = "fsdp2"
+    title = "PyTorch FSDP2 (fully_shard)"
+    shards_in_place = True
+
+    @classmethod
+    def recognises(cls, model: nn.Module, optimizer: object) -> bool:
+        return isinstance(model, _fsdp_module())
+
+    def mesh(self, device: torch.device, world_size: int) -> Any:
+        """The device mesh the parameters are sharded over: every rank."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device.type, (world_size,))
+
+    def build(self, model: nn.Module, *, device: torch.device, world_size: int, lr: float) -> Built:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.mesh(device, world_size)
+        for layer in getattr(model, "blocks", []):  # one unit per transformer block
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, adam(model.parameters(), lr)
+
+    @property
+    def stage_at_step(self) -> int:
+        return 3
+
+    def layout(
+        self, shapes: Sequence[Sequence[int]], world_size: int, *, fp32_adam: bool = True
+    ) -> tuple[Layout, ...]:
+        group = self.shard_group_size(world_size)
+        padded, local = rows_per_shard(shapes, group)
+        by_shard = [
+            Layout(params=padded, grads=padded, optimizer=elements, steps=len(shapes))
+            for elements in local
+        ]
+        # The rank's coordinate in its shard group (the mesh is row-major).
+        return tuple(by_shard[rank % group] for rank in range(world_size))
+
+    def transient(
+        self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int
+    ) -> Transient:
+        return Transient(
+            bytes=(param_bytes + grad_bytes) * largest_unit,
+            kind="largest gathered unit (params + grads)",
+        )
+
+    def collectives(
+        self, num_params: int, world_size: int, root_unit_params: int = 0
+    ) -> Collectives:
+        return fully_sharded(num_params, self.shard_group_size(world_size), root_unit_params)
+
+    def root_unit_params(self, module: nn.Module) -> int:
+        fsdp_module = _fsdp_module()
+        if not isinstance(module, fsdp_module):
+            return 0
+        nested = {
+            id(p)
+            for name, sub in module.named_modules()
+            if name and isinstance(sub, fsdp_module)
+            for p in module.get_submodule(name).parameters()
+        }
+        return sum(p.numel() for p in module.parameters() if id(p) not in nested)
+
+    # Units, for wrap's shard(), wrapping() and describe().
+
+    def unit_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        if options.get("mesh") is None:
+            import torch.distributed as dist
+
+            from fsdp_guide.launcher import rank_device
+
+            options["mesh"] = self.mesh(rank_device(), dist.get_world_size())
+        return options
+
+    def shard(
+        self, module: nn.Module, policy: UnitPolicy | None, options: dict[str, Any]
+    ) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        names = policy.select(module) if policy is not None else []
+        for name in names:  # children before parents, as fully_shard requires
+            fully_shard(module.get_submodule(name), **options)
+        fully_shard(module, **options)
+        return module
+
+    def wrap_unit(
+        self, module: nn.Module, options: dict[str, Any], overrides: dict[str, Any]
+    ) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(module, **{**options, **overrides})
+        return module
+
+    @classmethod
+    def unit(cls, module: nn.Module) -> UnitView | None:
+        return UnitView(inner=module, params=None) if cls.recognises(module, None) else None
