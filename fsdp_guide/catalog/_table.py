@@ -133,6 +133,14 @@ _ROWS = (
         zero_stage=3,
     ),
     StrategySpec(
+        name="fsdp2_hybrid",
+        summary="PyTorch FSDP2 on a (replicate, shard) mesh: HSDP in pairs",
+        engine="fsdp2",
+        zero_stage=3,
+        settings={"shard_group": 2},
+        variant_of="fsdp2",
+    ),
+    StrategySpec(
         name="fairscale_fsdp",
         summary="FairScale FSDP (CUDA)",
         engine="fairscale_fsdp",

@@ -6,6 +6,12 @@ Parameters and gradients keep the padded chunk on every rank; Adam's moments onl
 rank really has (none on some ranks), and a step tensor per parameter. A unit is gathered for
 its forward and again for its backward, except the root, kept gathered in between.
 
+With ``shard_group`` set, the mesh has two dimensions, ``(replicate, shard)``: each
+parameter is sharded within groups of ``shard_group`` ranks and replicated across the groups
+(HSDP, hybrid sharding). A rank then holds a ``1 / shard_group`` share; after the
+reduce-scatter within its group, each gradient shard is all-reduced across the replicas (FSDP2
+issues that all-reduce even when there is one replica).
+
 Examples:
     Rows of 10 and 7 on 2 ranks: chunks of 5 and 4 rows, so rank 1 has 5 + 3 elements.
 
@@ -87,21 +93,54 @@ def _fsdp_module() -> type[Any]:
 
 @dataclass(frozen=True, kw_only=True)
 class FSDP2(UnitEngine):
-    """PyTorch FSDP2 with Adam: ``fully_shard`` on each transformer block, then the root."""
+    """PyTorch FSDP2 with Adam: ``fully_shard`` on each transformer block, then the root.
+
+    Attributes:
+        shard_group: Ranks per shard group on a 2-D ``(replicate, shard)`` mesh (HSDP), when
+            the world divides by it; ``None`` to shard over every rank (a 1-D mesh).
+
+    Examples:
+        >>> hsdp = FSDP2(shard_group=2)
+        >>> hsdp.shard_group_size(4), hsdp.collectives(1000, 4, 100).payload
+        (2, {'reduce_scatter': 1000, 'all_gather': 1900, 'all_reduce': 500})
+    """
 
     name = "fsdp2"
     title = "PyTorch FSDP2 (fully_shard)"
     shards_in_place = True
 
+    shard_group: int | None = None
+
+    def __post_init__(self) -> None:
+        group = self.shard_group
+        if group is not None and (
+            isinstance(group, bool) or not isinstance(group, int) or group < 1
+        ):
+            raise ValueError(f"shard_group must be an int >= 1 or None, got {group!r}")
+
     @classmethod
     def recognises(cls, model: nn.Module, optimizer: object) -> bool:
         return isinstance(model, _fsdp_module())
 
+    def shard_group_size(self, world_size: int) -> int:
+        if self.shard_group is not None and world_size % self.shard_group == 0:
+            return self.shard_group
+        return world_size
+
     def mesh(self, device: torch.device, world_size: int) -> Any:
-        """The device mesh the parameters are sharded over: every rank."""
+        """The device mesh the parameters are sharded over: every rank, or ``(replicate, shard)``.
+
+        Row-major: rank ``r`` is in shard group ``r // shard_group`` at position
+        ``r % shard_group``, so the ranks of a group are neighbours (on one machine, say).
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device.type, (world_size,))
+        if self.shard_group is None:
+            return init_device_mesh(device.type, (world_size,))
+        shard = self.shard_group_size(world_size)
+        return init_device_mesh(
+            device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard")
+        )
 
     def build(self, model: nn.Module, *, device: torch.device, world_size: int, lr: float) -> Built:
         from torch.distributed.fsdp import fully_shard
@@ -139,7 +178,16 @@ class FSDP2(UnitEngine):
     def collectives(
         self, num_params: int, world_size: int, root_unit_params: int = 0
     ) -> Collectives:
-        return fully_sharded(num_params, self.shard_group_size(world_size), root_unit_params)
+        """ZeRO-3's within a shard group; with HSDP, each gradient shard all-reduced across
+        the replicas (exact when each parameter's rows divide by the group: else padded)."""
+        shard = self.shard_group_size(world_size)
+        sharded = fully_sharded(num_params, shard, root_unit_params)
+        if self.shard_group is None:
+            return sharded
+        return Collectives(
+            payload={**sharded.payload, "all_reduce": math.ceil(num_params / shard)},
+            groups={**sharded.groups, "all_reduce": world_size // shard},
+        )
 
     def root_unit_params(self, module: nn.Module) -> int:
         fsdp_module = _fsdp_module()

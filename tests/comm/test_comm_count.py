@@ -33,7 +33,7 @@ PSI = count_params(build_model("transformer"))
 def _root_units(name: str) -> int:
     """R from the units, computed without the package: what each setup wraps as its root."""
     model: Any = build_model("transformer")
-    if name == "fsdp2":  # one unit per block, the root holds the rest
+    if name in ("fsdp2", "fsdp2_hybrid"):  # one unit per block, the root holds the rest
         return PSI - sum(count_params(block) for block in model.blocks)
     return PSI  # FSDP1 in compare: the whole model is one unit
 

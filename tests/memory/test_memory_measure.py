@@ -23,7 +23,7 @@ from fsdp_guide.models import build_model, loss_fn, shard_batch, synthetic_batch
 # DeepSpeed engines step through engine.backward/engine.step and hold their state in their own
 # buffers: measured and counted in tests/deepspeed/.
 CPU_STRATEGIES = cpu_strategies(deepspeed=False)
-PADDING_STRATEGIES = ["fsdp", "fsdp_grad_op", "fsdp_hybrid", "fsdp2"]
+PADDING_STRATEGIES = ["fsdp", "fsdp_grad_op", "fsdp_hybrid", "fsdp2", "fsdp2_hybrid"]
 STEP_BYTES = 4  # Adam's fp32 step counter, one per optimized tensor
 pytestmark = pytest.mark.slow
 
@@ -98,13 +98,14 @@ def expected_bytes(
         group = engine_for(name).shard_group_size(world_size)
         shard = math.ceil(total / group)  # one flat parameter, padded to a multiple of group
         return 4 * shard, 4 * shard, 8 * shard + STEP_BYTES
-    if name == "fsdp2":  # each tensor cut along dim 0 into equal, padded chunks
+    if name in ("fsdp2", "fsdp2_hybrid"):  # each tensor cut along dim 0 into padded chunks
+        group = engine_for(name).shard_group_size(world_size)  # HSDP: shard within pairs
         padded = local = 0
         for shape in shapes:
-            rows = math.ceil(shape[0] / world_size)
+            rows = math.ceil(shape[0] / group)
             rest = math.prod(shape[1:])
             padded += rows * rest
-            local += max(0, min(rows, shape[0] - rank * rows)) * rest
+            local += max(0, min(rows, shape[0] - rank % group * rows)) * rest
         return 4 * padded, 4 * padded, 8 * local + STEP_BYTES * len(shapes)
     raise AssertionError(f"no expectation for {name}")
 
