@@ -27,6 +27,7 @@ from fsdp_guide.errors import LaunchError as LaunchError
 from fsdp_guide.errors import LaunchTimeout as LaunchTimeout
 from fsdp_guide.errors import RankError as RankError
 from fsdp_guide.launcher._checks import check_world_size, in_interactive_session, resolve_backend
+
 # For the package's collective helpers (checkpoint.save and load), not documented for readers.
 from fsdp_guide.launcher._entry import every_rank_enters as every_rank_enters
 from fsdp_guide.launcher._launch import launch
