@@ -41,7 +41,7 @@ BEFORE = "6670fdd"
 #: predicting, communication, checkpoints, planner); its own sub-package's files count too.
 DEEPSPEED_COMMITS = ("6fc1db5", "093b9f2", "fc23d09", "ac13881", "b23f3f2", "b848557", "2cd7206")
 #: The commit that added ``fsdp2_hybrid`` through the adapters (set when it landed).
-HYBRID_COMMITS: tuple[str, ...] = ()
+HYBRID_COMMITS: tuple[str, ...] = ("5b544ba",)
 
 ENGINES = ("ddp", "zero", "zero1", "oss", "sharded_ddp", "fsdp1", "fsdp2", "fairscale_fsdp")
 STRATEGIES = (

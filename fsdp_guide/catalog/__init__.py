@@ -1,7 +1,7 @@
 """The one vocabulary of sharding strategies: a table every part of the package reads.
 
 Each strategy has one name, used by ``python -m fsdp_guide compare --strategies``,
-:func:`fsdp_guide.compare.run_comparison`, :func:`fsdp_guide.checkpoint.detect_strategy` and
+:func:`fsdp_guide.compare.run_comparison`, the planner (:func:`fsdp_guide.memory.plan`) and
 the ZeRO formulas (:func:`fsdp_guide.memory.estimate_model_state` takes any strategy name as
 its stage). Its :class:`StrategySpec` is a record: which engine runs it and with which
 settings, which ZeRO stage it is, what it needs (CUDA, FairScale, DeepSpeed). What the engine

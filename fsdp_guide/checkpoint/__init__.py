@@ -1,11 +1,13 @@
 """Save and restore training state for every way of sharding, safely: :func:`save`, :func:`load`.
 
-Both are collective: every rank calls them with its own model and optimizer. The strategy is
-read from their types (:func:`detect_strategy`), never passed in: a plain module, DDP,
-PyTorch ``ZeroRedundancyOptimizer``, FairScale OSS and ShardedDDP, PyTorch FSDP1 and FSDP2,
-FairScale FSDP, and a DeepSpeed engine. ``extra`` (step, epoch, RNG states as tensors) is
-saved by rank 0 and returned by :func:`load`; restoring RNG states from it is the caller's move
-(``torch.set_rng_state(extra["rng"])``), since only the caller knows which generators matter.
+Both are collective: every rank calls them with its own model and optimizer. The engine is
+read from their types (:func:`fsdp_guide.engines.detect`), never passed in: a plain module,
+DDP, PyTorch ``ZeroRedundancyOptimizer``, FairScale OSS and ShardedDDP, PyTorch FSDP1 and
+FSDP2, FairScale FSDP, and a DeepSpeed engine; how each one's state goes in and out is its
+adapter's to say (:class:`fsdp_guide.engines.Engine`). ``extra`` (step, epoch, RNG states as
+tensors) is saved by rank 0 and returned by :func:`load`; restoring RNG states from it is the
+caller's move (``torch.set_rng_state(extra["rng"])``), since only the caller knows which
+generators matter.
 
 Two formats:
 
@@ -68,9 +70,12 @@ keys, before anything is loaded.
 from __future__ import annotations
 
 from fsdp_guide.checkpoint._api import consolidate, load, save
-from fsdp_guide.checkpoint._detect import Strategy, detect_strategy
+
+# Kept importable for code written against earlier versions: fsdp_guide.engines.detect names
+# the engine, fsdp_guide.errors documents the error.
+from fsdp_guide.checkpoint._detect import detect_strategy as detect_strategy
 
 # Documented in fsdp_guide.errors; still importable from here, as before.
 from fsdp_guide.errors import CheckpointError as CheckpointError
 
-__all__ = ["Strategy", "consolidate", "detect_strategy", "load", "save"]
+__all__ = ["consolidate", "load", "save"]

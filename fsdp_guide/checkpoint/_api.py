@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fsdp_guide.checkpoint._detect import SHARDED_STRATEGIES, Strategy, detect_strategy
+from fsdp_guide.checkpoint._detect import engine_of
 from fsdp_guide.checkpoint._dir import (
     agree,
     attempt,
@@ -32,6 +32,7 @@ from fsdp_guide.checkpoint._state import (
     get_full_state,
     set_full_state,
 )
+from fsdp_guide.engines import Engine, engine_class
 from fsdp_guide.errors import CheckpointError
 from fsdp_guide.launcher import every_rank_enters
 
@@ -52,9 +53,9 @@ def _full_payload(
         "version": FORMAT_VERSION,
         "strategy": strategy,
         "world_size": world_size,
-        # FairScale FSDP's gathered optimizer state is its own, keyed by position.
+        # An engine's own gathered optimizer state (FairScale FSDP's) is keyed by position.
         "optimizer_keys": "position"
-        if strategy == "fairscale_fsdp" and optim_state is not None
+        if engine_class(strategy).full_optimizer_keys == "own" and optim_state is not None
         else "name",
         "optimizer_class": optimizer_class,
         "model": model_state,
@@ -63,19 +64,21 @@ def _full_payload(
     }
 
 
-def _check_save_arguments(path: Path, kind: str, strategy: Strategy, extra: Any) -> None:
+def _check_save_arguments(path: Path, kind: str, engine: Engine | str, extra: Any) -> None:
+    adapter = engine_class(engine) if isinstance(engine, str) else type(engine)
     if kind not in ("full", "sharded"):
         raise ValueError(f"kind must be 'full' or 'sharded', got {kind!r}")
-    if kind == "sharded" and strategy not in SHARDED_STRATEGIES:
+    if kind == "sharded" and adapter.sharded_layout is None:
         raise ValueError(
             f"kind='sharded' is for strategies that shard parameters (FSDP1, FSDP2, FairScale "
-            f"FSDP, DeepSpeed), not {strategy!r}; use kind='full' (sharded optimizer states "
+            f"FSDP, DeepSpeed), not {adapter.name!r}; use kind='full' (sharded optimizer states "
             "such as OSS and ZeRO are consolidated into it)"
         )
-    if kind == "full" and strategy == "deepspeed":
+    if kind == "full" and not adapter.saves_full:
         raise ValueError(
-            "a DeepSpeed engine saves kind='sharded' (DeepSpeed's own files); consolidate "
-            "that directory (python -m fsdp_guide consolidate DIR FILE) for one full file"
+            f"a {adapter.title} engine saves kind='sharded' ({adapter.title}'s own files); "
+            "consolidate that directory (python -m fsdp_guide consolidate DIR FILE) for one "
+            "full file"
         )
     if kind == "full" and path.is_dir():
         raise ValueError(f"{path} is a directory; a full checkpoint is a file: choose a file path")
@@ -132,11 +135,12 @@ def save(
     """
     every_rank_enters("fsdp_guide.checkpoint.save")
     path = Path(path)
-    strategy = detect_strategy(model, optimizer)
-    _check_save_arguments(path, kind, strategy, extra)
+    engine = engine_of(model, optimizer)
+    strategy = engine.name
+    _check_save_arguments(path, kind, engine, extra)
     rank, world = rank_and_world()
     if kind == "full":
-        model_state, optim_state = get_full_state(model, optimizer, strategy)
+        model_state, optim_state = get_full_state(model, optimizer, engine)
         failure = None
         if rank == 0:
             name = type(inner_optimizer(optimizer)).__name__ if optimizer is not None else None
@@ -144,7 +148,7 @@ def save(
             _, failure = attempt(lambda: atomic_write_torch(path, payload))
         agree(failure)
         return path
-    header, write = sharded_writer(model, optimizer, strategy)
+    header, write = sharded_writer(model, optimizer, engine)
     write_sharded(path, header, write, extra)
     return path
 
@@ -186,7 +190,8 @@ def load(
     """
     every_rank_enters("fsdp_guide.checkpoint.load")
     path = Path(path)
-    strategy = detect_strategy(model, optimizer)
+    engine = engine_of(model, optimizer)
+    strategy = engine.name
     if path.is_dir():
         opened = open_sharded(path, strategy)
         if optimizer is not None:
@@ -195,14 +200,14 @@ def load(
                     f"{path} holds no optimizer state (saved without an optimizer); pass "
                     "optimizer=None to load the model only"
                 )
-            if strategy != "deepspeed":  # DeepSpeed checks its own optimizer state
+            if opened.index.get("layout") != "deepspeed":  # DeepSpeed checks its own
                 check_optimizer_fits(opened.index["optimizer"], optimizer)
-        load_sharded_state(path, opened, model, optimizer)
+        load_sharded_state(path, opened, model, optimizer, engine)
         return opened.extra
-    if strategy == "deepspeed":
+    if not engine.saves_full:
         raise CheckpointError(
-            f"{path} is a full checkpoint; a DeepSpeed engine loads the sharded directory its "
-            "save wrote. Load the full file into the plain model before building the engine"
+            f"{path} is a full checkpoint; a {engine.title} engine loads the sharded directory "
+            "its save wrote. Load the full file into the plain model before building the engine"
         )
     payload, failure = attempt(lambda: _read_full(path))
     agree(failure)
@@ -212,15 +217,17 @@ def load(
             f"{path} holds no optimizer state (saved without an optimizer, or consolidated "
             "from FairScale FSDP shards); pass optimizer=None to load the model only"
         )
-    if payload["optimizer_keys"] == "position" and strategy != "fairscale_fsdp" and optimizer:
+    own = engine.full_optimizer_keys == "own"  # FairScale FSDP's gathered form
+    if payload["optimizer_keys"] == "position" and not own and optimizer:
+        saver = engine_class(payload["strategy"]).title
         raise CheckpointError(
-            f"{path} holds a FairScale FSDP optimizer state, which loads only into FairScale "
-            "FSDP; pass optimizer=None to load the model only"
+            f"{path} holds a {saver} optimizer state, which loads only into {saver}; pass "
+            "optimizer=None to load the model only"
         )
-    if payload["optimizer_keys"] != "position" and strategy == "fairscale_fsdp" and optimizer:
+    if payload["optimizer_keys"] != "position" and own and optimizer:
         raise CheckpointError(
             f"{path} holds a {payload['strategy']!r} optimizer state, keyed by parameter name; "
-            "FairScale FSDP loads only its own optimizer state: pass optimizer=None to load "
+            f"{engine.title} loads only its own optimizer state: pass optimizer=None to load "
             "the model only"
         )
     if optimizer is not None:
@@ -229,7 +236,7 @@ def load(
             "state_keys": state_keys(payload["optimizer"]["state"]),
         }
         check_optimizer_fits(saved, optimizer)
-    set_full_state(model, optimizer, strategy, payload["model"], payload["optimizer"])
+    set_full_state(model, optimizer, engine, payload["model"], payload["optimizer"])
     saved_extra: dict[str, Any] | None = payload["extra"]
     return saved_extra
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from fsdp_guide.checkpoint._io import read_torch
+from fsdp_guide.engines import engine_class
 from fsdp_guide.errors import CheckpointError
 
 #: The DeepSpeed tag: none, so its files lie directly in the data directory, as the index
@@ -125,7 +126,7 @@ def check_fits(path: Path, index: dict[str, Any], strategy: str, world: int) -> 
 
     The ZeRO stage is checked on load, against the engine (:func:`load_engine`).
     """
-    if strategy != "deepspeed":
+    if engine_class(strategy).sharded_layout != "deepspeed":
         raise CheckpointError(
             f"{path} holds DeepSpeed shards, which load only into a DeepSpeed engine; this model "
             f"is {strategy!r}: consolidate it (python -m fsdp_guide consolidate {path} FILE) and "

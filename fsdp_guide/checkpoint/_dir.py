@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from fsdp_guide.checkpoint._dcp import METADATA_NAME, describe_failure, read_metadata
 from fsdp_guide.checkpoint._deepspeed import check_fits as deepspeed_fits
-from fsdp_guide.checkpoint._detect import DCP_TARGETS
 from fsdp_guide.checkpoint._io import (
     DATA_DIR,
     FORMAT_VERSION,
@@ -53,6 +52,7 @@ from fsdp_guide.checkpoint._io import (
     sha256_of,
     verify_sha256,
 )
+from fsdp_guide.engines import Engine, engine_class
 from fsdp_guide.errors import CheckpointError
 
 EXTRA_NAME = "extra.pt"
@@ -282,13 +282,24 @@ def write_sharded(
                     shutil.rmtree(data_dir, ignore_errors=True)
 
 
+def _saved_engine(path: Path, name: object) -> type[Engine]:
+    """The adapter of the engine an index names, refusing a name no engine has."""
+    try:
+        return engine_class(str(name))
+    except ValueError:
+        raise CheckpointError(
+            f"{path}/{INDEX_NAME} names an unknown engine {name!r}: the index is corrupt or was "
+            "not written by fsdp_guide"
+        ) from None
+
+
 def _check_fits(path: Path, index: dict[str, Any], strategy: str, world: int) -> None:
     saved, layout = index["strategy"], index.get("layout", "rank_files")  # 1 had rank files
     consolidate = (
         f"consolidate it (python -m fsdp_guide consolidate {path} FILE) and load the full file"
     )
     if layout == "dcp":
-        if strategy not in DCP_TARGETS:
+        if not engine_class(strategy).loads_dcp:
             raise CheckpointError(
                 f"{path} holds {saved!r} shards, which load at any world size into PyTorch "
                 f"FSDP1 or FSDP2, a plain module or DDP; this model is {strategy!r}: {consolidate}"
@@ -299,7 +310,7 @@ def _check_fits(path: Path, index: dict[str, Any], strategy: str, world: int) ->
         return
     if layout != "rank_files":
         raise CheckpointError(f"{path}/{INDEX_NAME} names an unknown layout {layout!r}")
-    if saved in ("fsdp1", "fsdp2"):
+    if _saved_engine(path, saved).sharded_layout == "dcp":  # rank files of format 1
         raise CheckpointError(
             f"{path} holds {saved!r} shards in fsdp_guide's first sharded format (rank<N>.pt "
             "files), which this version no longer reads: load it with the fsdp_guide version "
@@ -382,6 +393,7 @@ def open_offline(path: Path) -> Opened:
         fsdp_guide.errors.CheckpointError: no index.json in ...
     """
     index = read_index(path, verify=True)
-    if index.get("layout", "rank_files") == "rank_files" and index["strategy"] != "fairscale_fsdp":
+    saved = _saved_engine(path, index["strategy"])
+    if index.get("layout", "rank_files") == "rank_files" and saved.sharded_layout != "rank_files":
         _check_fits(path, index, index["strategy"], index["world_size"])  # refuses format 1
     return _read_checked(path, index, [])

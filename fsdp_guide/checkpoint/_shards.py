@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from fsdp_guide.checkpoint import _dcp
 from fsdp_guide.checkpoint._deepspeed import consolidate_fp32, deepspeed_writer, load_engine
-from fsdp_guide.checkpoint._detect import Strategy
 from fsdp_guide.checkpoint._dir import (
     Opened,
     agree,
@@ -38,61 +37,47 @@ from fsdp_guide.checkpoint._dir import (
 )
 from fsdp_guide.checkpoint._io import atomic_write_torch, read_torch
 from fsdp_guide.checkpoint._names import check_names_and_shapes, optimizer_record, shape_of
-from fsdp_guide.checkpoint._state import kept_fresh, without_state
+from fsdp_guide.engines import Engine, engine_class, without_state
 from fsdp_guide.errors import CheckpointError
 
 Writer = Callable[[Path], list[str]]
 
 
 def sharded_writer(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, strategy: Strategy
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, engine: Engine
 ) -> tuple[dict[str, Any], Writer]:
     """Take this rank's sharded state now (collective) and say how to write it.
+
+    The engine's layout decides the files: DCP's for ``"dcp"``, one file per rank for
+    ``"rank_files"``, DeepSpeed's own for ``"deepspeed"``.
 
     Returns:
         ``(header, write)`` for :func:`fsdp_guide.checkpoint._dir.write_sharded`: what the
         index records (``strategy``, ``layout``, ``optimizer``), and the writer.
 
     Raises:
-        ValueError: For a strategy that does not shard parameters.
+        ValueError: For an engine that does not shard parameters.
     """
     rank, world = rank_and_world()
-    if strategy == "deepspeed":
+    if engine.sharded_layout == "deepspeed":
         return deepspeed_writer(model, optimizer)
-    if strategy == "fairscale_fsdp":
-        shard = {
-            "model": dict(model.local_state_dict()),  # type: ignore[operator]
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "metadata": model.local_metadata_dict(),  # type: ignore[operator]
-        }
+    state = engine.sharded_state(model, optimizer)
+    saved = state.get("optimizer")
+    record = optimizer_record(optimizer, saved["state"] if saved else None)
+    header = {"strategy": engine.name, "layout": engine.sharded_layout, "optimizer": record}
+    if engine.sharded_layout == "rank_files":
 
         def write_rank_file(data: Path) -> list[str]:
-            atomic_write_torch(data / shard_name(rank), shard)
+            atomic_write_torch(data / shard_name(rank), state)
             return [shard_name(rank)]
 
-        record = optimizer_record(optimizer, shard["optimizer"] and shard["optimizer"]["state"])
-        header = {"strategy": strategy, "layout": "rank_files", "optimizer": record}
         return header, write_rank_file
-    if strategy not in ("fsdp1", "fsdp2"):
-        raise ValueError(f"strategy {strategy!r} has no sharded state")
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    optimizers = [optimizer] if optimizer is not None else []
-    with kept_fresh(optimizer) as fresh:
-        model_state, optim_state = get_state_dict(
-            model, optimizers, options=StateDictOptions(full_state_dict=False)
-        )
-    state: dict[str, Any] = {"model": model_state}
-    if optimizer is not None:
-        state["optimizer"] = without_state(dict(optim_state)) if fresh else optim_state
 
     def write_dcp(data: Path) -> list[str]:
         files = _dcp.save(data, state)  # collective; DCP agrees on failures itself
         return files[rank::world]  # each file hashed by one rank
 
-    saved_state: Any = state["optimizer"]["state"] if optimizer is not None else None
-    record = optimizer_record(optimizer, saved_state)
-    return {"strategy": strategy, "layout": "dcp", "optimizer": record}, write_dcp
+    return header, write_dcp
 
 
 def _saved_leaves(metadata: Metadata) -> dict[tuple[str | int, ...], tuple[int, ...]]:
@@ -200,6 +185,7 @@ def load_sharded_state(
     opened: Opened,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
+    engine: Engine,
 ) -> None:
     """Load a checked sharded checkpoint into this rank's model (collective).
 
@@ -220,9 +206,7 @@ def load_sharded_state(
     shard, failure = attempt(lambda: read_torch(path / index["shards"][rank]))
     agree(failure)
     assert shard is not None
-    model.load_local_state_dict(shard["model"])  # type: ignore[operator]
-    if optimizer is not None:
-        optimizer.load_state_dict(shard["optimizer"])
+    engine.load_rank_file(model, optimizer, shard)
 
 
 def consolidate_state(path: Path, opened: Opened) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -244,10 +228,5 @@ def consolidate_state(path: Path, opened: Opened) -> tuple[dict[str, Any], dict[
         data = path / index["extra"].split("/")[0]
         files = [name for name in index["files"] if name != index["extra"]]
         return consolidate_fp32(data, files), None
-    from fairscale.nn.data_parallel import FullyShardedDataParallel
-
     shards = [read_torch(path / name) for name in index["shards"]]
-    weights = FullyShardedDataParallel.consolidate_shard_weights(
-        [s["model"] for s in shards], [s["metadata"] for s in shards]
-    )
-    return dict(weights), None
+    return engine_class(index["strategy"]).consolidate_rank_files(shards), None

@@ -300,8 +300,10 @@ def count_collectives() -> Iterator[CommCounter]:
     if unreadable:
         reasons.append("a process group has no sequence number, so other threads are unchecked")
     kinds: dict[str, CollectiveCount] = {
-        kind: CollectiveCount(c[0], c[1], c[2], tuple(sorted(c[3])))
+        kind: CollectiveCount(calls=c[0], elements=c[1], bytes=c[2], dtypes=tuple(sorted(c[3])))
         for kind in COLLECTIVE_KINDS
         if (c := mode.counts.get(kind)) is not None
     }
-    counter._stats = CommStats(kinds, not reasons, "; ".join(reasons), unseen)
+    counter._stats = CommStats(
+        kinds=kinds, complete=not reasons, reason="; ".join(reasons), unseen_calls=unseen
+    )

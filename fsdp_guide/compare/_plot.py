@@ -18,10 +18,13 @@ def _bar_groups(rows: Sequence[ComparisonRow]) -> list[tuple[str, ComparisonRow]
     Examples:
         >>> from fsdp_guide.memory import ModelState
         >>> state = ModelState(1, 1, 1)
-        >>> same = [ComparisonRow("ddp", r, 2, 0, state, state) for r in (0, 1)]
+        >>> def row(name, rank, measured):
+        ...     return ComparisonRow(strategy=name, rank=rank, world_size=2, zero_stage=0,
+        ...                          measured=measured, predicted=state)
+        >>> same = [row("ddp", r, state) for r in (0, 1)]
         >>> [label for label, _ in _bar_groups(same)]
         ['ddp']
-        >>> odd = [ComparisonRow("oss", r, 2, 1, ModelState(1, 1, r), state) for r in (0, 1)]
+        >>> odd = [row("oss", r, ModelState(1, 1, r)) for r in (0, 1)]
         >>> [label for label, _ in _bar_groups(odd)]
         ['oss r0', 'oss r1']
     """
@@ -55,7 +58,10 @@ def plot_comparison(rows: Sequence[ComparisonRow], path: str | Path | None = Non
     Examples:
         >>> import tempfile, os
         >>> from fsdp_guide.memory import ModelState
-        >>> row = ComparisonRow("fsdp", 0, 2, 3, ModelState(2, 2, 4), ModelState(2, 2, 4))
+        >>> state = ModelState(2, 2, 4)
+        >>> row = ComparisonRow(
+        ...     strategy="fsdp", rank=0, world_size=2, zero_stage=3, measured=state, predicted=state
+        ... )
         >>> with tempfile.TemporaryDirectory() as tmp:
         ...     fig = plot_comparison([row], os.path.join(tmp, "memory.png"))
         ...     os.path.getsize(os.path.join(tmp, "memory.png")) > 0

@@ -90,7 +90,10 @@ class ComparisonRow:
         """Measured total over predicted total.
 
         Examples:
-            >>> row = ComparisonRow("ddp", 0, 1, 0, ModelState(10, 10, 21), ModelState(10, 10, 20))
+            >>> row = ComparisonRow(
+            ...     strategy="ddp", rank=0, world_size=1, zero_stage=0,
+            ...     measured=ModelState(10, 10, 21), predicted=ModelState(10, 10, 20),
+            ... )
             >>> round(row.ratio, 3)
             1.025
         """
@@ -119,7 +122,9 @@ def comparison_table(rows: Sequence[ComparisonRow], style: TableStyle = "markdow
 
     Examples:
         >>> row = ComparisonRow(
-        ...     "oss", 1, 2, 1, ModelState(4000, 4000, 4008), ModelState(4000, 4000, 4000), 0.012
+        ...     strategy="oss", rank=1, world_size=2, zero_stage=1,
+        ...     measured=ModelState(4000, 4000, 4008), predicted=ModelState(4000, 4000, 4000),
+        ...     step_time_s=0.012,
         ... )
         >>> header, rule, line = comparison_table([row]).splitlines()
         >>> print(line)
@@ -130,7 +135,10 @@ def comparison_table(rows: Sequence[ComparisonRow], style: TableStyle = "markdow
 
         Rows that were not timed get no ``ms/step`` column:
 
-        >>> untimed = ComparisonRow("ddp", 0, 1, 0, ModelState(4, 4, 8), ModelState(4, 4, 8))
+        >>> state = ModelState(4, 4, 8)
+        >>> untimed = ComparisonRow(
+        ...     strategy="ddp", rank=0, world_size=1, zero_stage=0, measured=state, predicted=state
+        ... )
         >>> print(comparison_table([untimed], style="plain"))
         strategy  ZeRO  rank  params  grads  optimizer  measured  predicted  ratio
         ddp       0     0     4 B     4 B    8 B        16 B      16 B       1.000
@@ -138,7 +146,10 @@ def comparison_table(rows: Sequence[ComparisonRow], style: TableStyle = "markdow
         A DeepSpeed ZeRO-3 row shows its master copy and its reduce bucket:
 
         >>> ds = ModelState(8, 8, 16, buckets=4, master=8)
-        >>> print(comparison_table([ComparisonRow("ds", 0, 2, 3, ds, ds)], style="plain"))
+        >>> row = ComparisonRow(
+        ...     strategy="ds", rank=0, world_size=2, zero_stage=3, measured=ds, predicted=ds
+        ... )
+        >>> print(comparison_table([row], style="plain"))
         strategy  ZeRO  rank  params  master  grads  buckets  optimizer  measured  predicted  ratio
         ds        3     0     8 B     8 B     8 B    4 B      16 B       44 B      44 B       1.000
     """
@@ -259,7 +270,10 @@ def rows_as_json(rows: Sequence[ComparisonRow]) -> list[dict[str, Any]]:
     """Rows as JSON-ready dicts (byte counts as integers).
 
     Examples:
-        >>> row = ComparisonRow("ddp", 0, 1, 0, ModelState(4, 4, 8), ModelState(4, 4, 8))
+        >>> state = ModelState(4, 4, 8)
+        >>> row = ComparisonRow(
+        ...     strategy="ddp", rank=0, world_size=1, zero_stage=0, measured=state, predicted=state
+        ... )
         >>> rows_as_json([row])[0]["measured"]
         {'params': 4, 'grads': 4, 'optimizer': 8, 'buckets': 0, 'master': 0, 'total': 16}
     """

@@ -15,7 +15,9 @@ Each adapter is an :class:`Engine`: how it wraps a model and builds the optimize
 (:meth:`Engine.build`, used by :func:`wrap_for_strategy`), what each rank holds after
 ``optimizer.step()`` (:meth:`Engine.layout`, in elements: a :class:`Layout`), the largest
 short-lived buffer (:meth:`Engine.transient`), the collectives of a step
-(:meth:`Engine.collectives`). The FSDP engines are also :class:`UnitEngine`\\ s: how a wrap
+(:meth:`Engine.collectives`), and how its state goes in and out of a checkpoint
+(:meth:`Engine.full_state`, :meth:`Engine.load_full_state`, :meth:`Engine.sharded_state`,
+:attr:`Engine.sharded_layout`). The FSDP engines are also :class:`UnitEngine`\\ s: how a wrap
 policy becomes units and how to look inside one, which :mod:`fsdp_guide.wrap` asks.
 
 Adding an engine is one adapter module here, its entry in ``ENGINES`` and its rows in the
@@ -31,11 +33,13 @@ Examples:
 from __future__ import annotations
 
 from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient
+from fsdp_guide.engines._checkpoint import kept_fresh, without_state
 from fsdp_guide.engines._registry import (
     ENGINES,
     GRAD_BUFFERS,
     PARAM_BUFFERS,
     detect,
+    engine_class,
     engine_for,
     get_engine,
     get_unit_engine,
@@ -77,11 +81,14 @@ __all__ = [
     "Zero1",
     "deepspeed_layout",
     "detect",
+    "engine_class",
     "engine_for",
     "get_engine",
     "get_unit_engine",
+    "kept_fresh",
     "local_tensor",
     "unit_engines",
     "unit_of",
+    "without_state",
     "wrap_for_strategy",
 ]

@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from fsdp_guide.engines._checkpoint import CheckpointHooks
+
 #: What :meth:`Engine.build` returns: the module to train and its optimizer. A DeepSpeed
 #: engine's optimizer is DeepSpeed's ZeRO optimizer, typed as the torch optimizer it wraps.
 Built = tuple[nn.Module, torch.optim.Optimizer]
@@ -86,7 +88,7 @@ class Transient:
 
 
 @dataclass(frozen=True)
-class Engine(ABC):
+class Engine(CheckpointHooks, ABC):
     """One implementation that trains a model on many ranks, configured by a strategy's settings.
 
     A subclass is a frozen dataclass whose fields are the settings a catalog row may give
@@ -101,8 +103,10 @@ class Engine(ABC):
     * **communication**: the :class:`Collectives` of one step;
     * **training**: one backward and optimizer step, and clearing the gradients.
 
-    Checkpoint formats and FSDP units are answered by the same adapters, through the
-    methods of :class:`~fsdp_guide.engines.UnitEngine` and the checkpoint hooks below.
+    * **checkpoints**: its full state and how it loads one, its sharded state and the
+      layout :func:`fsdp_guide.checkpoint.save` writes it in.
+
+    FSDP units are answered by the same adapters, through :class:`~fsdp_guide.engines.UnitEngine`.
     """
 
     #: The engine's name, as catalog rows give it (:attr:`~fsdp_guide.catalog.StrategySpec.engine`).
@@ -115,6 +119,18 @@ class Engine(ABC):
     param_buffers: ClassVar[tuple[str, ...]] = ()
     #: Tensors hung on a parameter that hold a gradient shard.
     grad_buffers: ClassVar[tuple[str, ...]] = ()
+    #: How ``kind="sharded"`` stores its shards: ``"dcp"`` (``torch.distributed.checkpoint``,
+    #: loads at any world size), ``"rank_files"`` (a file per rank, same world size),
+    #: ``"deepspeed"`` (DeepSpeed's own files); ``None`` when it shards no parameters.
+    sharded_layout: ClassVar[str | None] = None
+    #: Whether it saves ``kind="full"`` (a DeepSpeed engine saves its own files only).
+    saves_full: ClassVar[bool] = True
+    #: Whether a DCP checkpoint loads into it (what ``set_state_dict`` fills).
+    loads_dcp: ClassVar[bool] = False
+    #: How :meth:`full_state` keys the optimizer state: ``"position"`` (the optimizer's
+    #: ``state_dict()``, turned into names by the checkpoint), ``"name"`` (by parameter name
+    #: already), ``"own"`` (the engine's own gathered form, which loads only into it).
+    full_optimizer_keys: ClassVar[str] = "position"
 
     @classmethod
     @abstractmethod

@@ -39,6 +39,23 @@ PARAM_BUFFERS: tuple[str, ...] = tuple(dict.fromkeys(n for e in ENGINES for n in
 GRAD_BUFFERS: tuple[str, ...] = tuple(dict.fromkeys(n for e in ENGINES for n in e.grad_buffers))
 
 
+def engine_class(name: str) -> type[Engine]:
+    """The adapter class of the engine called ``name`` (or an older spelling).
+
+    Raises:
+        ValueError: For an unknown name.
+
+    Examples:
+        >>> engine_class("fsdp2").sharded_layout, engine_class("deepspeed").saves_full
+        ('dcp', False)
+    """
+    cls = _BY_NAME.get(name) if isinstance(name, str) else None
+    if cls is None:
+        choices = ", ".join(repr(e.name) for e in ENGINES)
+        raise ValueError(f"unknown engine {name!r}; choose one of {choices}")
+    return cls
+
+
 def get_engine(name: str, **settings: object) -> Engine:
     """The engine called ``name`` (or an older spelling), configured with ``settings``.
 
@@ -54,11 +71,7 @@ def get_engine(name: str, **settings: object) -> Engine:
         ...
         ValueError: unknown engine 'zero3'; choose one of 'deepspeed', 'fairscale_fsdp', ...
     """
-    cls = _BY_NAME.get(name) if isinstance(name, str) else None
-    if cls is None:
-        choices = ", ".join(repr(e.name) for e in ENGINES)
-        raise ValueError(f"unknown engine {name!r}; choose one of {choices}")
-    return cls(**settings)
+    return engine_class(name)(**settings)
 
 
 def engine_for(strategy: str | StrategySpec) -> Engine:

@@ -39,13 +39,19 @@ class DDP(Engine):
     """PyTorch ``DistributedDataParallel`` with torch's Adam."""
 
     name = "ddp"
-    title = "PyTorch DistributedDataParallel"
+    title = "PyTorch DDP"
+    loads_dcp = True
 
     @classmethod
     def recognises(cls, model: nn.Module, optimizer: object) -> bool:
         from torch.nn.parallel import DistributedDataParallel
 
         return isinstance(model, DistributedDataParallel)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return model.module if isinstance(model, DistributedDataParallel) else model
 
     @staticmethod
     def wrap(model: nn.Module, device: torch.device) -> nn.Module:

@@ -118,7 +118,9 @@ class DeepSpeedZero(Engine):
     """
 
     name = "deepspeed"
-    title = "DeepSpeed ZeRO"
+    title = "DeepSpeed"
+    sharded_layout = "deepspeed"  # DeepSpeed's own files, by engine.save_checkpoint
+    saves_full = False
     stage: int
     offload_optimizer: bool = False
     offload_params: bool = False

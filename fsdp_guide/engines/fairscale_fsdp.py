@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fsdp_guide.engines._base import Built, Collectives, Layout, Transient, adam, fully_sharded
+from fsdp_guide.engines._checkpoint import rank
 from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 from fsdp_guide.engines.fsdp1 import FSDP1
 from fsdp_guide.errors import EngineUnavailableError
@@ -61,7 +62,9 @@ class FairScaleFSDP(UnitEngine):
     """FairScale FSDP with Adam, full precision, the whole model one unit."""
 
     name = "fairscale_fsdp"
-    title = "FairScale FullyShardedDataParallel"
+    title = "FairScale FSDP"
+    sharded_layout = "rank_files"  # its local state dicts, loadable at the same world size
+    full_optimizer_keys = "own"  # its gathered optimizer state, keyed by position
     aliases = ("fairscale",)  # shard()'s name for it before the catalog named every engine
     # FairScale 0.4.13 (FullyShardedDataParallel._init_param_attributes): the fp32 shard, a
     # 16-bit copy, the padded gathered parameter; gradient shards (it makes them p.grad).
@@ -111,6 +114,56 @@ class FairScaleFSDP(UnitEngine):
         gather: Any = model.gather_full_optim_state_dict
         full: dict[str, Any] | None = gather(UnmutatedStateDict(optimizer))
         return full
+
+    def full_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """Gathered on every rank's GPU (its rank-0-only mode is fixed when the model is
+        wrapped); rank 0 keeps a host copy, the other ranks nothing."""
+        state = model.state_dict()  # collective: every rank takes part in the gather
+        gathered = self.full_optimizer_state(model, optimizer) if optimizer is not None else None
+        if rank() != 0:
+            return None, None
+        on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        return on_host, gathered
+
+    def load_full_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        model_state: dict[str, Any],
+        optim_state: dict[str, Any] | None,
+    ) -> None:
+        model.load_state_dict(model_state)
+        if optimizer is not None and optim_state is not None:
+            # Its gather left each "step" a number; Adam's load_state_dict makes it a tensor.
+            shard = model.get_shard_from_optim_state_dict(optim_state)  # type: ignore[operator]
+            optimizer.load_state_dict(shard)
+
+    def sharded_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> dict[str, Any]:
+        return {
+            "model": dict(model.local_state_dict()),  # type: ignore[operator]
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "metadata": model.local_metadata_dict(),  # type: ignore[operator]
+        }
+
+    def load_rank_file(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, shard: dict[str, Any]
+    ) -> None:
+        model.load_local_state_dict(shard["model"])  # type: ignore[operator]
+        if optimizer is not None:
+            optimizer.load_state_dict(shard["optimizer"])
+
+    @classmethod
+    def consolidate_rank_files(cls, shards: list[dict[str, Any]]) -> dict[str, Any]:
+        from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+        weights = FullyShardedDataParallel.consolidate_shard_weights(
+            [s["model"] for s in shards], [s["metadata"] for s in shards]
+        )
+        return dict(weights)
 
     # Units, for wrap's shard(), wrapping() and describe().
 

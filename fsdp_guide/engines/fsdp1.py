@@ -35,6 +35,7 @@ from fsdp_guide.engines._base import (
     fully_sharded,
     replicated,
 )
+from fsdp_guide.engines._checkpoint import TorchStateDict
 from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 
 ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
@@ -48,7 +49,7 @@ def _fsdp1_class() -> type[nn.Module]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FSDP1(UnitEngine):
+class FSDP1(TorchStateDict, UnitEngine):
     """PyTorch FSDP1 with Adam, the whole model one unit when built for a strategy.
 
     Attributes:
@@ -69,6 +70,10 @@ class FSDP1(UnitEngine):
         "_full_prec_full_param_padded",
     )
     grad_buffers = ("_saved_grad_shard", "_cpu_grad")
+
+    sharded_layout = "dcp"
+    loads_dcp = True
+    full_optimizer_keys = "name"
 
     sharding_strategy: ShardingStrategyName = "FULL_SHARD"
     shard_group: int | None = None
@@ -184,6 +189,36 @@ class FSDP1(UnitEngine):
             return 0
         handle: Any = module._handle
         return int(sum(handle.flat_param._numels)) if handle is not None else 0
+
+    def gather_to_rank0(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Gathered into rank 0 only, one unit at a time, on CPU as on GPU (host memory).
+
+        DCP ties FSDP1's rank-0-only mode to offloading, which on CPU frees the storage FSDP1
+        is reading: FSDP1's own API does it, offloading only from a GPU.
+        """
+        from torch.distributed.fsdp import (
+            FullOptimStateDictConfig,
+            FullStateDictConfig,
+            StateDictType,
+        )
+
+        fsdp = _fsdp1_class()
+        on_gpu = any(p.is_cuda for p in model.parameters())
+        with fsdp.state_dict_type(  # type: ignore[attr-defined]
+            model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True),
+            FullOptimStateDictConfig(offload_to_cpu=on_gpu, rank0_only=True),
+        ):
+            model_state = model.state_dict()
+            optim_state = (
+                fsdp.optim_state_dict(model, optimizer)  # type: ignore[attr-defined]
+                if optimizer is not None
+                else {}
+            )
+        return dict(model_state), dict(optim_state)
 
     # Units, for wrap's shard(), wrapping() and describe().
 

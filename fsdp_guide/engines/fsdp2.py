@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from fsdp_guide.engines._base import Built, Collectives, Layout, Transient, adam, fully_sharded
+from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
 from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 
 
@@ -92,7 +93,7 @@ def _fsdp_module() -> type[Any]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class FSDP2(UnitEngine):
+class FSDP2(TorchStateDict, UnitEngine):
     """PyTorch FSDP2 with Adam: ``fully_shard`` on each transformer block, then the root.
 
     Attributes:
@@ -108,6 +109,9 @@ class FSDP2(UnitEngine):
     name = "fsdp2"
     title = "PyTorch FSDP2 (fully_shard)"
     shards_in_place = True
+    sharded_layout = "dcp"
+    loads_dcp = True
+    full_optimizer_keys = "name"
 
     shard_group: int | None = None
 
@@ -200,6 +204,20 @@ class FSDP2(UnitEngine):
             for p in module.get_submodule(name).parameters()
         }
         return sum(p.numel() for p in module.parameters() if id(p) not in nested)
+
+    def gather_to_rank0(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Gathered into rank 0 only, one tensor at a time (DCP's rank-0-only mode)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        # cpu_offload=True with full_state_dict=True is DCP's rank-0-only mode (CPU too).
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        with kept_fresh(optimizer) as fresh:
+            model_state, optim_state = get_state_dict(
+                model, [optimizer] if optimizer is not None else [], options=options
+            )
+        return dict(model_state), without_state(dict(optim_state)) if fresh else dict(optim_state)
 
     # Units, for wrap's shard(), wrapping() and describe().
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,12 +25,21 @@ from fsdp_guide.engines._partition import largest_first, owned_layout
 from fsdp_guide.engines.ddp import DDP
 
 
+def consolidated_everywhere(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
+    """An OSS optimizer's whole state, materialised on every rank (FairScale's recipient -1)."""
+    if optimizer is None:
+        return None
+    optimizer.consolidate_state_dict(recipient_rank=-1)  # type: ignore[attr-defined]
+    return optimizer.state_dict()
+
+
 @dataclass(frozen=True)
 class OSS(DDP):
     """DDP with FairScale's ``OSS`` around Adam (DDP's buckets, its own state)."""
 
     name = "oss"
-    title = "DDP + FairScale OSS"
+    title = "FairScale OSS"
+    loads_dcp = False  # DCP does not fill its optimizer: a consolidated full file does
 
     @classmethod
     def recognises(cls, model: nn.Module, optimizer: object) -> bool:
@@ -54,6 +64,12 @@ class OSS(DDP):
         self, shapes: Sequence[Sequence[int]], world_size: int, *, fp32_adam: bool = True
     ) -> tuple[Layout, ...]:
         return owned_layout(shapes, world_size, owned_grads=False)
+
+    def full_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The whole optimizer state, consolidated on every rank (recipient -1)."""
+        return self.unwrap(model).state_dict(), consolidated_everywhere(optimizer)
 
     def collectives(
         self, num_params: int, world_size: int, root_unit_params: int = 0

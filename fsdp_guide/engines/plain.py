@@ -27,6 +27,7 @@ class Plain(Engine):
 
     name = "module"
     title = "a plain module"
+    loads_dcp = True
 
     @classmethod
     def recognises(cls, model: nn.Module, optimizer: object) -> bool:

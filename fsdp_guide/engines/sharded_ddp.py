@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient
 from fsdp_guide.engines._partition import largest_first, owned_layout
+from fsdp_guide.engines.oss import consolidated_everywhere
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +34,7 @@ class ShardedDDP(Engine):
     """
 
     name = "sharded_ddp"
-    title = "FairScale OSS + ShardedDDP"
+    title = "FairScale ShardedDDP"
     reduce_buffer_size: int = 0
 
     @classmethod
@@ -70,6 +72,17 @@ class ShardedDDP(Engine):
         self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int
     ) -> Transient:
         return Transient(bytes=0, kind="none known beyond the state")
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        inner = model.module
+        assert isinstance(inner, nn.Module)
+        return inner
+
+    def full_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The whole optimizer state, consolidated on every rank (recipient -1)."""
+        return self.unwrap(model).state_dict(), consolidated_everywhere(optimizer)
 
     def collectives(
         self, num_params: int, world_size: int, root_unit_params: int = 0

@@ -14,11 +14,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_guide.engines._base import Built, Collectives, Layout
+from fsdp_guide.engines._checkpoint import rank
 from fsdp_guide.engines._partition import owned_layout
 from fsdp_guide.engines.ddp import DDP
 
@@ -28,8 +30,9 @@ class Zero1(DDP):
     """DDP with torch's ``ZeroRedundancyOptimizer`` around Adam (DDP's buckets, its own state)."""
 
     name = "zero1"
-    title = "DDP + PyTorch ZeroRedundancyOptimizer"
+    title = "ZeroRedundancyOptimizer"
     aliases = ("zero",)
+    loads_dcp = False  # DCP does not fill its optimizer: a consolidated full file does
 
     @classmethod
     def recognises(cls, model: nn.Module, optimizer: object) -> bool:
@@ -58,6 +61,23 @@ class Zero1(DDP):
         self, shapes: Sequence[Sequence[int]], world_size: int, *, fp32_adam: bool = True
     ) -> tuple[Layout, ...]:
         return owned_layout(shapes, world_size, owned_grads=False)
+
+    def full_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The whole optimizer state on every rank: consolidated on rank 0, then broadcast
+        (torch's ZeRO consolidates to one rank per call)."""
+        import torch.distributed as dist
+
+        model_state = dict(self.unwrap(model).state_dict())
+        if optimizer is None:
+            return model_state, None
+        optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
+        whole = [optimizer.state_dict() if rank() == 0 else None]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(whole, src=0)
+        assert whole[0] is not None
+        return model_state, whole[0]
 
     def collectives(
         self, num_params: int, world_size: int, root_unit_params: int = 0

@@ -199,7 +199,8 @@ def peak_memory(device: torch.device | str | None = None) -> PeakMemory:
     else:
         use_cuda = torch.device(device).type == "cuda"
     if use_cuda:
-        return PeakMemory(int(torch.cuda.max_memory_allocated(device)), "cuda_peak_allocated")
+        peak = int(torch.cuda.max_memory_allocated(device))
+        return PeakMemory(bytes=peak, kind="cuda_peak_allocated")
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     scale = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB, macOS bytes
-    return PeakMemory(int(max_rss) * scale, "cpu_peak_rss")
+    return PeakMemory(bytes=int(max_rss) * scale, kind="cpu_peak_rss")

@@ -11,7 +11,7 @@ DTensors (whose ``numel`` is the global one).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -124,20 +124,27 @@ def module_tree(module: nn.Module, policy: WrapPolicy | None = None) -> list[Mod
     def visit(wrapped: nn.Module, name: str, depth: int) -> int:
         inner, engine, unit_params, checkpointed = _unwrap(wrapped)
         index = len(nodes)
-        nodes.append(ModuleNode(name, depth, _class_name(inner), engine, None, checkpointed))
+        node = ModuleNode(
+            name=name,
+            depth=depth,
+            class_name=_class_name(inner),
+            engine=engine,
+            unit_params=None,
+            checkpointed=checkpointed,
+        )
+        nodes.append(node)
         nested = 0  # parameter elements taken by units below this one
         for child_name, child in inner.named_children():
             nested += visit(child, f"{name}.{child_name}" if name else child_name, depth + 1)
         # A policy selects the module inside a checkpoint wrapper, as FSDP's walk does.
         if engine is None and (id(wrapped) in planned or id(inner) in planned):
             engine = "planned"
-        if engine in ("fsdp2", "planned"):
-            total = sum(p.numel() for p in inner.parameters())
-            unit_params = total - nested
+        if engine is not None and unit_params is None:
+            # Counted from the module: a planned unit, or an engine that records no count of
+            # its own (FSDP2's DTensors have the global numel).
+            unit_params = sum(p.numel() for p in inner.parameters()) - nested
         if engine is not None:
-            nodes[index] = ModuleNode(
-                name, depth, nodes[index].class_name, engine, unit_params, checkpointed
-            )
+            nodes[index] = replace(node, engine=engine, unit_params=unit_params)
             return nested + (unit_params or 0)
         return nested
 

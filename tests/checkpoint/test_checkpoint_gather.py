@@ -10,7 +10,8 @@ import torch
 from checkpoint_helpers import build, clone, count_tensors, differences, snapshot, train
 
 from fsdp_guide import checkpoint, launch
-from fsdp_guide.checkpoint._state import gather_full_fsdp_state, get_full_state
+from fsdp_guide.checkpoint._state import get_full_state
+from fsdp_guide.engines import detect
 
 
 def save_then_read_optimizer_on_each_rank(
@@ -56,7 +57,7 @@ def gather_on_each_rank(rank: int, world_size: int, strategy: str) -> Any:
     model, optimizer = build(strategy, seed=0)
     train(model, optimizer, start=0, steps=1)
     reference = snapshot(model, optimizer, strategy)  # DCP's full state, on every rank
-    model_state, optim_state = gather_full_fsdp_state(model, optimizer, strategy)  # type: ignore[arg-type]
+    model_state, optim_state = detect(model, optimizer).gather_to_rank0(model, optimizer)  # type: ignore[attr-defined]
     gathered = {"model": clone(model_state), "optimizer": clone(optim_state)}
     after = train(model, optimizer, start=1, steps=1)  # the gather left training intact
     return {
@@ -103,10 +104,10 @@ def steps_to_floats(state: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("protected", [True, False])
 def test_fairscale_gather_cannot_break_the_live_optimizer(protected: bool) -> None:
-    from fsdp_guide.checkpoint._state import _UnmutatedStateDict
+    from fsdp_guide.engines.fairscale_fsdp import UnmutatedStateDict
 
     layer, optimizer = adamw_after_one_step()
-    source: Any = _UnmutatedStateDict(optimizer) if protected else optimizer
+    source: Any = UnmutatedStateDict(optimizer) if protected else optimizer
     steps_to_floats(source.state_dict())
     layer(torch.ones(1, 3)).sum().backward()
     if protected:
