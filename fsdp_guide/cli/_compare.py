@@ -65,12 +65,12 @@ def _strategy_names() -> list[str]:
 def _default_strategies(world_size: int) -> list[str]:
     import torch
 
-    from fsdp_guide.catalog import DEFAULT_STRATEGIES
+    from fsdp_guide.catalog import DEFAULT_STRATEGIES, STRATEGIES
 
-    # FairScale FSDP runs on NCCL with one GPU per rank: add it where there are enough GPUs.
+    # The CUDA-only ones run on NCCL with one GPU per rank: added where there are enough GPUs.
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    extra = ["fairscale_fsdp"] if gpus >= world_size else []
-    return [*DEFAULT_STRATEGIES, *extra]
+    cuda = [name for name, spec in STRATEGIES.items() if spec.needs_cuda]
+    return [*DEFAULT_STRATEGIES, *(cuda if gpus >= world_size else [])]
 
 
 def _check_output_path(option: str, path: str) -> None:
