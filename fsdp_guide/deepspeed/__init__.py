@@ -3,8 +3,8 @@
 The catalog's ``deepspeed_zero1`` to ``deepspeed_zero3`` strategies and their offload
 variants are built here (:func:`fsdp_guide.catalog.wrap_for_strategy` calls
 :func:`initialize` with a :func:`zero_config`). DeepSpeed is an optional extra
-(``pip install "fsdp-guide[deepspeed]"``) and is imported only when an engine is built:
-importing this package does not import it.
+(``pip install -e ".[deepspeed]"`` from a checkout) and is imported only when an engine is
+built: importing this package does not import it.
 
 What it takes to run DeepSpeed on a laptop, and where each step lives:
 

@@ -86,7 +86,7 @@ def test_a_missing_extra_is_one_line_naming_the_fix(name: str) -> None:
         check_strategies(["ddp", name])
     message = str(info.value)
     assert "\n" not in message and f"strategy {name!r} needs the optional extra" in message
-    assert 'pip install -c requirements/constraints.txt "fsdp-guide[deepspeed]"' in message
+    assert 'pip install -c requirements/constraints.txt -e ".[deepspeed]"' in message
     # Planning needs no DeepSpeed.
     assert [s.name for s in check_strategies([name], installed=False)] == [name]
 
