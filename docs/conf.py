@@ -92,6 +92,8 @@ autodoc_typehints = "description"
 autodoc_typehints_description_target = "all"
 autodoc_typehints_format = "short"
 autodoc_class_signature = "separated"
+# A long signature lists one parameter per line: it fits a phone, and reads better anywhere.
+python_maximum_signature_line_length = 60
 # Methods inherit no docstring from torch or Lightning base classes: theirs cross-reference
 # names in those projects' own documentation that our site cannot resolve.
 autodoc_inherit_docstrings = False
@@ -151,6 +153,7 @@ html_theme = "sphinx_book_theme"
 html_title = "fsdp-guide"
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
+html_js_files = ["custom.js"]
 html_theme_options = {
     # Every page that offers a download also links the repository, where the notebooks,
     # the package and the install instructions (install.md) live.

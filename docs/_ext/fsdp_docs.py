@@ -45,6 +45,13 @@ def write_if_changed(path: Path, text: str) -> bool:
     return True
 
 
+def write_bytes_if_changed(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` unless it already holds exactly that."""
+    if not (path.exists() and path.read_bytes() == data):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
 def sync_notebooks(source_dir: Path, target_dir: Path, repository: str = "") -> list[str]:
     """Copy the lessons of ``source_dir`` into ``target_dir`` and write its index.
 
@@ -67,6 +74,12 @@ def sync_notebooks(source_dir: Path, target_dir: Path, repository: str = "") -> 
         # The copy ends with links to the API it uses (the notebook itself stays as it is).
         notebook = json.loads(path.read_text(encoding="utf-8"))
         write_if_changed(target_dir / path.name, json.dumps(with_api_section(notebook), indent=1))
+    # Figures a lesson shows (``figures/x.svg`` from the notebook) travel with the copies.
+    figures = source_dir / "figures"
+    if figures.is_dir():
+        for figure in figures.iterdir():
+            if figure.is_file():
+                write_bytes_if_changed(target_dir / "figures" / figure.name, figure.read_bytes())
     if names:
         listing = "\n".join(f"1. [{notebook_title(p)}]({p.stem}.ipynb)" for p in notebooks)
         toctree = "\n".join(p.stem for p in notebooks)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import importlib
 import importlib.util
+import re
 from typing import Any
 
 from fsdp_links import public_home
@@ -117,8 +118,25 @@ def quiet_external_reference(app: Any, domain: Any, node: Any) -> bool | None:
     return None
 
 
+_TILDE_PATH = re.compile(r"~(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)")
+
+
+def drop_tilde_paths(app: Any, doctree: Any) -> None:
+    """Show ``type[~torch.nn.modules.module.Module]`` as ``type[Module]`` (``doctree-read``).
+
+    autodoc's short type format leaves the ``~`` and the defining module inside some nested
+    annotations of a parameter's type; the reader should see the short name, as elsewhere.
+    """
+    from docutils import nodes
+
+    for text in list(doctree.findall(nodes.Text)):
+        if "~" in text and _TILDE_PATH.search(text):
+            text.parent.replace(text, nodes.Text(_TILDE_PATH.sub(r"\1", str(text))))
+
+
 def setup(app: Any) -> dict[str, Any]:
-    """Register both handlers with Sphinx."""
+    """Register the handlers with Sphinx."""
     app.connect("missing-reference", resolve_through_python)
     app.connect("warn-missing-reference", quiet_external_reference)
+    app.connect("doctree-read", drop_tilde_paths)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

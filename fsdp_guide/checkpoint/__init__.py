@@ -20,7 +20,10 @@ it with its own model and optimizer):
 
 A failure on any rank raises the same :class:`CheckpointError` on every rank, so no rank is
 left waiting and nothing is loaded halfway. The two formats, what loads where, and how files
-are written and read safely: :doc:`/guide/checkpoints`.
+are written and read safely: :doc:`/guide/checkpoints`. PyTorch FSDP shards are written
+with `torch.distributed.checkpoint
+<https://docs.pytorch.org/docs/stable/distributed.checkpoint.html>`__ (DCP), DeepSpeed's
+with its own `checkpointing <https://deepspeed.readthedocs.io/en/latest/model-checkpointing.html>`__.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ What it takes to run DeepSpeed on a laptop, and where each step lives:
 * :func:`backward_and_step`: ``engine.backward(loss)`` and ``engine.step()`` in place of
   ``loss.backward()`` and ``optimizer.step()``.
 
+DeepSpeed's own documentation: `ZeRO <https://deepspeed.readthedocs.io/en/latest/zero3.html>`__
+and the `configuration keys <https://www.deepspeed.ai/docs/config-json/>`__.
+
 Examples:
     >>> from fsdp_guide.deepspeed import zero_config
     >>> zero_config(2)["zero_optimization"]["stage"]

@@ -11,6 +11,11 @@ everything from here:
 * activation checkpointing: :func:`checkpoint_layers` and :func:`saved_activation_bytes`;
 * inspection: :func:`describe`, :func:`sharded_units` and :func:`check_optimizer`.
 
+PyTorch's documentation of the engines: `FSDP2 fully_shard
+<https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html>`__ and `FSDP1
+<https://docs.pytorch.org/docs/stable/fsdp.html>`__; the design is in the `PyTorch FSDP paper
+<https://arxiv.org/abs/2304.11277>`__.
+
 Examples:
     >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
     >>> from fsdp_guide.wrap import LayerPolicy, describe

@@ -7,7 +7,8 @@ counts, inside the article:
 
 - output blocks (``pre`` of a cell output or a code block) that scroll sideways,
 - tables wider than the article (the reader must scroll to see their last columns),
-- elements that stick out of the viewport (the page itself scrolls sideways).
+- elements that stick out of the viewport (the page itself scrolls sideways),
+- side navigation entries that wrap inside a word.
 
 Run it on a built site (before and after a change) to get the same counts again::
 
@@ -87,9 +88,32 @@ PROBE = """
       return true;
     })
     .map((el) => el.tagName.toLowerCase() + '.' + [...el.classList].join('.') + ': ' + label(el));
+  // Side navigation entries whose text wraps inside a word ("launcher.magi|c").
+  const midword = [];
+  document.querySelectorAll('nav.bd-links a').forEach((link) => {
+    if (!link.offsetParent || getComputedStyle(link).visibility === 'hidden') return;
+    const walker = document.createTreeWalker(link, NodeFilter.SHOW_TEXT);
+    let top = null, before = ' ';
+    while (walker.nextNode()) {
+      const node = walker.currentNode;
+      for (let i = 0; i < node.length; i++) {
+        const range = document.createRange();
+        range.setStart(node, i);
+        range.setEnd(node, i + 1);
+        const box = range.getClientRects()[0];
+        const char = node.nodeValue[i];
+        if (!box || /\s/.test(char)) { before = char; continue; }
+        if (top !== null && box.top > top + 2 && !/[\s.\-]/.test(before)) {
+          midword.push(link.innerText.trim().replace(/\s+/g, ' '));
+        }
+        top = box.top;
+        before = char;
+      }
+    }
+  });
   return {
     article: Math.round(article.getBoundingClientRect().width),
-    scrolling, code, tables, offscreen,
+    scrolling, code, tables, offscreen, midword: [...new Set(midword)],
     page_scrolls: document.documentElement.scrollWidth > view + 1,
   };
 })()
@@ -107,6 +131,7 @@ class Layout:
     code: int
     tables: list[str]
     offscreen: list[str]
+    midword: list[str]
     page_scrolls: bool
 
 
@@ -284,7 +309,8 @@ def main() -> None:
             f"{width} px: {scrolling} output blocks ({code} code blocks) scroll sideways, "
             f"tables overflow in "
             f"{len(tables)} pages ({sum(len(x.tables) for x in tables)} tables), "
-            f"{len(wide)} pages wider than the screen"
+            f"{len(wide)} pages wider than the screen, "
+            f"{len({m for x in at for m in x.midword})} navigation entries broken inside a word"
         )
         for x in at:
             if x.page in KEY_PAGES:
