@@ -40,6 +40,7 @@ release = fsdp_guide.__version__
 version = release
 
 extensions = [
+    "fsdp_strict",  # docs/_ext: a Python warning during the build fails it (-W), first
     "myst_nb",
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",

@@ -189,8 +189,18 @@ def home_page(module_name: str, name: str, modules: list[str]) -> str:
     """
     value = getattr(importlib.import_module(module_name), name)
     origin = getattr(value, "__module__", None)
-    if not isinstance(origin, str) or inspect.ismodule(value):
+    if inspect.ismodule(value):
         return module_name
+    if not isinstance(origin, str):
+        # Data does not know where it was defined: the most specific public module that
+        # exports the same object owns it (``strategies.registry`` over ``strategies``).
+        owners = [
+            m
+            for m in modules
+            if name in getattr(importlib.import_module(m), "__all__", [])
+            and getattr(importlib.import_module(m), name) is value
+        ]
+        return max(owners, key=lambda m: m.count("."), default=module_name)
     home = public_home(origin)
     exported = home in modules and name in getattr(importlib.import_module(home), "__all__", [])
     return home if exported else module_name

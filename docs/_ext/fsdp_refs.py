@@ -118,20 +118,31 @@ def quiet_external_reference(app: Any, domain: Any, node: Any) -> bool | None:
     return None
 
 
+_PRIVATE = re.compile(r"^fsdp_guide(\.\w+)*\._\w")
 _TILDE_PATH = re.compile(r"~(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)")
 
 
 def drop_tilde_paths(app: Any, doctree: Any) -> None:
-    """Show ``type[~torch.nn.modules.module.Module]`` as ``type[Module]`` (``doctree-read``).
+    """Show types by their short names (``doctree-read``), as a reader imports them.
+
+    ``type[~torch.nn.modules.module.Module]`` becomes ``type[Module]``.
 
     autodoc's short type format leaves the ``~`` and the defining module inside some nested
     annotations of a parameter's type; the reader should see the short name, as elsewhere.
     """
     from docutils import nodes
+    from sphinx import addnodes
 
     for text in list(doctree.findall(nodes.Text)):
         if "~" in text and _TILDE_PATH.search(text):
             text.parent.replace(text, nodes.Text(_TILDE_PATH.sub(r"\1", str(text))))
+    # A type named by its defining module (``fsdp_guide.memory._state.ModelState``, as napoleon
+    # writes an attribute's annotation) shows its short name; the link goes to its façade.
+    for xref in doctree.findall(addnodes.pending_xref):
+        target = xref.get("reftarget", "")
+        if _PRIVATE.search(target) and xref.astext() == target:
+            for text in list(xref.findall(nodes.Text)):
+                text.parent.replace(text, nodes.Text(target.rsplit(".", 1)[-1]))
 
 
 def setup(app: Any) -> dict[str, Any]:

@@ -52,13 +52,13 @@ FOCUS = {
 }
 
 # Run in the page: what overflows, with enough detail to find it.
-PROBE = """
+PROBE = r"""
 (() => {
   const article = document.querySelector('article.bd-article') || document.body;
   const limit = article.getBoundingClientRect().right + 1;
   const view = document.documentElement.clientWidth;
   const label = (el) => {
-    const text = (el.innerText || '').trim().split('\\n')[0];
+    const text = (el.innerText || '').trim().split('\n')[0];
     return text.slice(0, 60);
   };
   // Outputs: a cell's output, and console/text blocks (what a command printed).
