@@ -11,6 +11,7 @@ this; autosummary writes the API pages themselves (``docs/_templates/autosummary
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import json
@@ -56,21 +57,23 @@ def lesson_imports(notebook: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def documented_on(module: str, name: str) -> str:
-    """The API page that documents ``module.name``: the public module it is imported from.
-
-    Every façade documents each name of its ``__all__`` itself, so the page is the module the
-    lesson imports from (a sub-module imported by name has its own page).
+    """The API page that documents ``module.name`` in full (``module`` itself for ``""``).
 
     Examples:
         >>> documented_on("fsdp_guide", "launch"), documented_on("fsdp_guide.wrap", "")
-        ('fsdp_guide', 'fsdp_guide.wrap')
+        ('fsdp_guide.launcher', 'fsdp_guide.wrap')
         >>> documented_on("fsdp_guide.strategies", "sharded")
         'fsdp_guide.strategies.sharded'
     """
     value = getattr(importlib.import_module(module), name, None) if name else None
-    if inspect.ismodule(value):
-        return value.__name__
-    return module
+    if not name or inspect.ismodule(value):
+        return value.__name__ if inspect.ismodule(value) else module
+    return home_page(module, name, _modules())
+
+
+@functools.cache
+def _modules() -> list[str]:
+    return public_modules()
 
 
 def with_api_section(notebook: dict[str, Any]) -> dict[str, Any]:
@@ -81,8 +84,8 @@ def with_api_section(notebook: dict[str, Any]) -> dict[str, Any]:
     items = []
     for module, name in imports:
         page = documented_on(module, name)
-        if name and page == module:
-            items.append(f"- {{py:obj}}`{module}.{name}`")
+        if name and not inspect.ismodule(getattr(importlib.import_module(module), name, None)):
+            items.append(f"- {{py:obj}}`{page}.{name}`")
         else:
             items.append(f"- {{doc}}`{page} </api/{page}>`")
     cell = {
