@@ -76,11 +76,14 @@ def extra_installed(extra: str) -> bool:
 def install_command(extra: str) -> str:
     """The command that installs an optional extra, pinned like the rest of the project.
 
+    From a checkout, the way the install page installs everything else (the package is not on
+    the package index yet).
+
     Examples:
         >>> install_command("deepspeed")
-        'pip install -c requirements/constraints.txt "fsdp-guide[deepspeed]"'
+        'pip install -c requirements/constraints.txt -e ".[deepspeed]"'
     """
-    return f'pip install -c requirements/constraints.txt "fsdp-guide[{extra}]"'
+    return f'pip install -c requirements/constraints.txt -e ".[{extra}]"'
 
 
 def check_strategies(

@@ -33,7 +33,7 @@ Examples:
 from __future__ import annotations
 
 from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient
-from fsdp_guide.engines._checkpoint import kept_fresh, without_state
+from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
 from fsdp_guide.engines._registry import (
     ENGINES,
     GRAD_BUFFERS,
@@ -74,6 +74,7 @@ __all__ = [
     "Layout",
     "Plain",
     "ShardedDDP",
+    "TorchStateDict",
     "Transient",
     "UnitEngine",
     "UnitPolicy",

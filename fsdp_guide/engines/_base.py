@@ -22,8 +22,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from fsdp_guide.engines._checkpoint import CheckpointHooks
-
 #: What :meth:`Engine.build` returns: the module to train and its optimizer. A DeepSpeed
 #: engine's optimizer is DeepSpeed's ZeRO optimizer, typed as the torch optimizer it wraps.
 Built = tuple[nn.Module, torch.optim.Optimizer]
@@ -88,7 +86,7 @@ class Transient:
 
 
 @dataclass(frozen=True)
-class Engine(CheckpointHooks, ABC):
+class Engine(ABC):
     """One implementation that trains a model on many ranks, configured by a strategy's settings.
 
     A subclass is a frozen dataclass whose fields are the settings a catalog row may give
@@ -127,9 +125,10 @@ class Engine(CheckpointHooks, ABC):
     saves_full: ClassVar[bool] = True
     #: Whether a DCP checkpoint loads into it (what ``set_state_dict`` fills).
     loads_dcp: ClassVar[bool] = False
-    #: How :meth:`full_state` keys the optimizer state: ``"position"`` (the optimizer's
-    #: ``state_dict()``, turned into names by the checkpoint), ``"name"`` (by parameter name
-    #: already), ``"own"`` (the engine's own gathered form, which loads only into it).
+    #: How :meth:`~fsdp_guide.engines.Engine.full_state` keys the optimizer state:
+    #: ``"position"`` (the optimizer's ``state_dict()``, turned into names by the
+    #: checkpoint), ``"name"`` (by parameter name already), ``"own"`` (the engine's own
+    #: gathered form, which loads only into it).
     full_optimizer_keys: ClassVar[str] = "position"
 
     @classmethod
@@ -238,6 +237,58 @@ class Engine(CheckpointHooks, ABC):
         the generic walk over parameters, gradients and optimizer state would miss them
         (DeepSpeed's flat partitions); ``None`` for the generic walk."""
         return None
+
+    # Checkpoints: the defaults are for engines that keep the whole model on every rank.
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside the engine's wrapper (DDP's ``model.module``)."""
+        return model
+
+    def expected_state(self, model: nn.Module) -> dict[str, Any]:
+        """The model's state dict as a load expects it, without gathering anything: the names,
+        and values whose whole shapes the saved tensors must have."""
+        return dict(self.unwrap(model).state_dict())
+
+    def full_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The model's full state and the optimizer's, keyed as ``full_optimizer_keys`` says
+        (collective: every rank calls it); ``(None, None)`` on ranks that do not keep it."""
+        model_state = dict(self.unwrap(model).state_dict())
+        return model_state, (optimizer.state_dict() if optimizer is not None else None)
+
+    def load_full_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        model_state: dict[str, Any],
+        optim_state: dict[str, Any] | None,
+    ) -> None:
+        """Load a full state (the optimizer's keyed as :meth:`full_state` keys it), every rank."""
+        self.unwrap(model).load_state_dict(model_state)
+        if optimizer is not None and optim_state is not None:
+            optimizer.load_state_dict(optim_state)
+
+    def sharded_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> dict[str, Any]:
+        """This rank's shards, for the ``"dcp"`` and ``"rank_files"`` layouts (collective).
+
+        Raises:
+            ValueError: For an engine that shards no parameters.
+        """
+        raise ValueError(f"{type(self).__name__} has no sharded state")
+
+    def load_rank_file(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, shard: dict[str, Any]
+    ) -> None:
+        """Load this rank's file of the ``"rank_files"`` layout."""
+        raise ValueError(f"{type(self).__name__} writes no rank files")
+
+    @classmethod
+    def consolidate_rank_files(cls, shards: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole model state of every rank's file of the ``"rank_files"`` layout, offline."""
+        raise ValueError(f"{cls.__name__} writes no rank files")
 
     def train_step(self, module: nn.Module, optimizer: Any, loss: torch.Tensor) -> None:
         """Backward and one optimizer step."""

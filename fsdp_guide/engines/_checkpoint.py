@@ -1,8 +1,7 @@
 """What engines share about checkpoints: the hooks' defaults and PyTorch's state-dict API (private).
 
-:class:`CheckpointHooks` holds what :func:`fsdp_guide.checkpoint.save` and
-:func:`~fsdp_guide.checkpoint.load` ask an engine, answered here for engines that keep the
-whole model on every rank. PyTorch FSDP1 and FSDP2 answer through
+:class:`~fsdp_guide.engines.Engine`'s checkpoint hooks answer for engines that keep the
+whole model on every rank; PyTorch FSDP1 and FSDP2 answer through
 :mod:`torch.distributed.checkpoint.state_dict` (``get_state_dict`` / ``set_state_dict``),
 whose side effect on an optimizer without state :func:`kept_fresh` undoes.
 """
@@ -15,61 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-
-class CheckpointHooks:
-    """How an engine's state goes in and out of a checkpoint: the defaults, for engines that
-    keep the whole model on every rank (a plain module, DDP)."""
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's module inside the engine's wrapper (DDP's ``model.module``)."""
-        return model
-
-    def expected_state(self, model: nn.Module) -> dict[str, Any]:
-        """The model's state dict as a load expects it, without gathering anything: the names,
-        and values whose whole shapes the saved tensors must have."""
-        return dict(self.unwrap(model).state_dict())
-
-    def full_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
-    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-        """The model's full state and the optimizer's, keyed as ``full_optimizer_keys`` says
-        (collective: every rank calls it); ``(None, None)`` on ranks that do not keep it."""
-        model_state = dict(self.unwrap(model).state_dict())
-        return model_state, (optimizer.state_dict() if optimizer is not None else None)
-
-    def load_full_state(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        model_state: dict[str, Any],
-        optim_state: dict[str, Any] | None,
-    ) -> None:
-        """Load a full state (the optimizer's keyed as :meth:`full_state` keys it), every rank."""
-        self.unwrap(model).load_state_dict(model_state)
-        if optimizer is not None and optim_state is not None:
-            optimizer.load_state_dict(optim_state)
-
-    def sharded_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None
-    ) -> dict[str, Any]:
-        """This rank's shards, for the ``"dcp"`` and ``"rank_files"`` layouts (collective).
-
-        Raises:
-            ValueError: For an engine that shards no parameters.
-        """
-        raise ValueError(f"{type(self).__name__} has no sharded state")
-
-    def load_rank_file(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, shard: dict[str, Any]
-    ) -> None:
-        """Load this rank's file of the ``"rank_files"`` layout."""
-        raise ValueError(f"{type(self).__name__} writes no rank files")
-
-    @classmethod
-    def consolidate_rank_files(cls, shards: list[dict[str, Any]]) -> dict[str, Any]:
-        """The whole model state of every rank's file of the ``"rank_files"`` layout, offline."""
-        raise ValueError(f"{cls.__name__} writes no rank files")
 
 
 @contextlib.contextmanager
@@ -116,8 +60,18 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class TorchStateDict(CheckpointHooks):
-    """PyTorch FSDP1 and FSDP2: their state through ``torch.distributed.checkpoint.state_dict``.
+def consolidated_everywhere(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
+    """An OSS optimizer's whole state, materialised on every rank (FairScale's recipient -1)."""
+    if optimizer is None:
+        return None
+    optimizer.consolidate_state_dict(recipient_rank=-1)  # type: ignore[attr-defined]
+    return optimizer.state_dict()
+
+
+class TorchStateDict:
+    """The checkpoint hooks of an engine whose state goes through
+    ``torch.distributed.checkpoint.state_dict`` (PyTorch FSDP1 and FSDP2), mixed in before
+    :class:`~fsdp_guide.engines.Engine`.
 
     Sharded values are ``ShardedTensor`` (FSDP1) or ``DTensor`` (FSDP2), keyed by the
     unwrapped parameter names, and so is the optimizer state: a DCP checkpoint of either
@@ -137,12 +91,14 @@ class TorchStateDict(CheckpointHooks):
     def full_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """The full state on rank 0, optimizer keyed by name; ``(None, None)`` elsewhere."""
         model_state, optim_state = self.gather_to_rank0(model, optimizer)
         if rank() != 0:
             return None, None
         return model_state, (optim_state if optimizer is not None else None)
 
     def expected_state(self, model: nn.Module) -> dict[str, Any]:
+        """This rank's sharded state dict: unwrapped names, values of the whole shapes."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=False)))
@@ -154,6 +110,7 @@ class TorchStateDict(CheckpointHooks):
         model_state: dict[str, Any],
         optim_state: dict[str, Any] | None,
     ) -> None:
+        """``set_state_dict`` from a full, name-keyed state; every rank keeps its shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         set_state_dict(
@@ -169,6 +126,7 @@ class TorchStateDict(CheckpointHooks):
     def sharded_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> dict[str, Any]:
+        """This rank's shards (``get_state_dict``), an optimizer without state kept fresh."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         optimizers = [optimizer] if optimizer is not None else []

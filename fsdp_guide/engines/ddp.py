@@ -30,6 +30,8 @@ from fsdp_guide.engines._base import (
     replicated,
 )
 
+__all__ = ["DDP"]
+
 # DDP's default bucket_cap_mb: the largest gradient bucket all-reduced at once.
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 

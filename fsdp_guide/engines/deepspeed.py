@@ -36,6 +36,8 @@ from fsdp_guide.engines._deepspeed_state import (
 )
 from fsdp_guide.launcher import check_world_size
 
+__all__ = ["DeepSpeedZero", "deepspeed_layout"]
+
 #: DeepSpeed's default ``reduce_bucket_size`` (elements).
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
 

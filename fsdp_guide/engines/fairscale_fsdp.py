@@ -26,6 +26,8 @@ from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 from fsdp_guide.engines.fsdp1 import FSDP1
 from fsdp_guide.errors import EngineUnavailableError
 
+__all__ = ["FairScaleFSDP", "UnmutatedStateDict"]
+
 
 def _fairscale_fsdp_class() -> type[nn.Module] | None:
     """FairScale's FSDP class, or ``None`` while FairScale is not imported (nothing can be
@@ -109,7 +111,8 @@ class FairScaleFSDP(UnitEngine):
     ) -> dict[str, Any] | None:
         """The whole optimizer state gathered on rank 0 (collective); ``None`` elsewhere.
 
-        The live optimizer keeps its ``step`` tensors (see :class:`UnmutatedStateDict`).
+        The live optimizer keeps its ``step`` tensors (see
+        ``UnmutatedStateDict`` in this module).
         """
         gather: Any = model.gather_full_optim_state_dict
         full: dict[str, Any] | None = gather(UnmutatedStateDict(optimizer))

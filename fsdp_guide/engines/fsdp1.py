@@ -38,6 +38,8 @@ from fsdp_guide.engines._base import (
 from fsdp_guide.engines._checkpoint import TorchStateDict
 from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 
+__all__ = ["FSDP1"]
+
 ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 
 

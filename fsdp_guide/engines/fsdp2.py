@@ -34,6 +34,8 @@ from fsdp_guide.engines._base import Built, Collectives, Layout, Transient, adam
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
 from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 
+__all__ = ["FSDP2", "local_tensor", "rows_per_shard"]
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank holds: a DTensor's (FSDP2) local shard, else ``tensor``.

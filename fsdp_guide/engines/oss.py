@@ -21,16 +21,11 @@ import torch
 from torch import nn
 
 from fsdp_guide.engines._base import Built, Collectives, Layout
+from fsdp_guide.engines._checkpoint import consolidated_everywhere
 from fsdp_guide.engines._partition import largest_first, owned_layout
 from fsdp_guide.engines.ddp import DDP
 
-
-def consolidated_everywhere(optimizer: torch.optim.Optimizer | None) -> dict[str, Any] | None:
-    """An OSS optimizer's whole state, materialised on every rank (FairScale's recipient -1)."""
-    if optimizer is None:
-        return None
-    optimizer.consolidate_state_dict(recipient_rank=-1)  # type: ignore[attr-defined]
-    return optimizer.state_dict()
+__all__ = ["OSS"]
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ from torch import nn
 from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient, adam
 from fsdp_guide.engines.ddp import DDP
 
+__all__ = ["Plain"]
+
 
 @dataclass(frozen=True)
 class Plain(Engine):

@@ -21,8 +21,10 @@ import torch
 from torch import nn
 
 from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient
+from fsdp_guide.engines._checkpoint import consolidated_everywhere
 from fsdp_guide.engines._partition import largest_first, owned_layout
-from fsdp_guide.engines.oss import consolidated_everywhere
+
+__all__ = ["ShardedDDP"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,8 @@ from fsdp_guide.engines._checkpoint import rank
 from fsdp_guide.engines._partition import owned_layout
 from fsdp_guide.engines.ddp import DDP
 
+__all__ = ["Zero1"]
+
 
 @dataclass(frozen=True)
 class Zero1(DDP):

@@ -2,7 +2,8 @@
 
 :func:`measure_model_state` counts the bytes of parameters, gradients and optimizer state
 that a rank holds; :func:`estimate_model_state` gives what the ZeRO formulas predict for
-a stage, :func:`predict_model_state` for a strategy (the formula its engine follows);
+a stage (`Rajbhandari et al., 2020 <https://arxiv.org/abs/1910.02054>`__),
+:func:`predict_model_state` for a strategy (the formula its engine follows);
 :func:`peak_memory` reads the device's (or process's) peak. Communication is
 :mod:`fsdp_guide.comm`'s.
 

@@ -1,8 +1,8 @@
 """Wrapping and activation checkpointing for every engine: the public entry point.
 
 How a model is cut into FSDP units decides peak memory and how communication overlaps
-compute; activation checkpointing trades recomputation for activation memory. This module
-gathers the helpers, which live in smaller modules:
+compute; activation checkpointing trades recomputation for activation memory. Import
+everything from here:
 
 * policies: :class:`SizePolicy`, :class:`LayerPolicy`, their union ``a | b`` /
   :func:`any_of`, usable with FairScale, FSDP1 and FSDP2;
@@ -13,6 +13,11 @@ gathers the helpers, which live in smaller modules:
   to measure what it saves;
 * :func:`describe` and :func:`sharded_units`: the units of a model;
 * :func:`check_optimizer`: an optimizer built before wrapping.
+
+PyTorch's documentation of the engines: `FSDP2 fully_shard
+<https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html>`__ and `FSDP1
+<https://docs.pytorch.org/docs/stable/fsdp.html>`__; the design is in the `PyTorch FSDP paper
+<https://arxiv.org/abs/2304.11277>`__.
 
 Examples:
     >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
@@ -31,6 +36,9 @@ Examples:
 
 from __future__ import annotations
 
+# Where each lives: _policy (policies), _shard (shard), _manual (wrapping, wrap),
+# _activations (checkpoint_layers, saved_activation_bytes), _inspect (describe,
+# sharded_units), _optimizer_check (check_optimizer).
 # The errors are documented in fsdp_guide.errors; still importable from here, as before.
 from fsdp_guide.errors import EngineUnavailableError as EngineUnavailableError
 from fsdp_guide.errors import OptimizerMismatchError as OptimizerMismatchError
