@@ -155,6 +155,7 @@ def _stand_ins(recorder: Recorder) -> dict[str, Any]:
 # function_is_listed fails when a lesson gains one that is not.
 CASES: list[tuple[str, str, tuple[Any, ...]]] = [
     ("01_launching_multi_process_cells.ipynb", "train", (1,)),
+    ("01_launching_multi_process_cells.ipynb", "train_digits", (1, 32)),
     ("02_optimizer_state_sharding.ipynb", "train", ("ddp",)),
     ("02_optimizer_state_sharding.ipynb", "train", ("oss",)),
     ("02_optimizer_state_sharding.ipynb", "train", ("zero1",)),
@@ -254,6 +255,7 @@ def _launched(notebook: str) -> set[str]:
 NO_TRAINING = {
     ("01_launching_multi_process_cells.ipynb", "flaky"),
     ("02_optimizer_state_sharding.ipynb", "owned_parameters"),
+    ("02_optimizer_state_sharding.ipynb", "owned_elements"),
     ("02_optimizer_state_sharding.ipynb", "compare"),
     ("03_sharded_ddp.ipynb", "compare"),
     ("03_sharded_ddp.ipynb", "rules"),
