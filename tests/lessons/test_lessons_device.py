@@ -171,6 +171,7 @@ CASES: list[tuple[str, str, tuple[Any, ...]]] = [
     ("04_fully_sharded_data_parallel.ipynb", "train", ("fsdp2", 2, {})),
     ("04_fully_sharded_data_parallel.ipynb", "train_fairscale", (2,)),
     ("04_fully_sharded_data_parallel.ipynb", "optimizer_too_early", ()),
+    ("04_fully_sharded_data_parallel.ipynb", "record_step", ()),
     ("05_wrapping_policies.ipynb", "train_policies", ({"blocks": None},)),
     ("05_wrapping_policies.ipynb", "wrap_fsdp2", (None,)),
     ("05_wrapping_policies.ipynb", "train_manual", ("fsdp1",)),
@@ -262,6 +263,8 @@ NO_TRAINING = {
     ("03_sharded_ddp.ipynb", "freeze_both_ways"),
     ("04_fully_sharded_data_parallel.ipynb", "fsdp2_layout"),
     ("04_fully_sharded_data_parallel.ipynb", "wrap_odd_model"),
+    # exercise checks: what they launch is measured, not trained
+    ("04_fully_sharded_data_parallel.ipynb", "collectives_per_step"),
     ("05_wrapping_policies.ipynb", "wrap_fairscale"),
     ("08_ddp_optimizations.ipynb", "without_the_flag"),
 }
