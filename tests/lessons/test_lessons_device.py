@@ -265,6 +265,7 @@ NO_TRAINING = {
     ("04_fully_sharded_data_parallel.ipynb", "wrap_odd_model"),
     # exercise checks: what they launch is measured, not trained
     ("04_fully_sharded_data_parallel.ipynb", "collectives_per_step"),
+    ("07_lightning_strategies.ipynb", "oss_state_bytes"),
     ("05_wrapping_policies.ipynb", "wrap_fairscale"),
     ("08_ddp_optimizations.ipynb", "without_the_flag"),
 }
