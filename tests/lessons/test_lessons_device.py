@@ -177,7 +177,7 @@ CASES: list[tuple[str, str, tuple[Any, ...]]] = [
     ("05_wrapping_policies.ipynb", "train_manual", ("fsdp1",)),
     ("06_activation_checkpointing.ipynb", "train", (2,)),
     ("08_ddp_optimizations.ipynb", "train", ()),
-    ("08_ddp_optimizations.ipynb", "train", ({}, None, 3, 1, True)),
+    ("08_ddp_optimizations.ipynb", "train", ({}, None, 3, 1, 256)),
     ("08_ddp_optimizations.ipynb", "accumulate_every_step", ()),
     ("09_deepspeed_zero.ipynb", "train", ({},)),
     ("09_deepspeed_zero.ipynb", "train_and_save", ()),
