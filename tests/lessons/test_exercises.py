@@ -194,3 +194,48 @@ def test_solutions_pass_their_checks_and_wrong_answers_fail(notebook: str) -> No
         assert re.search(
             rf"^Exercise {exercise.number}: rejected a wrong answer", _printed(probe), re.M
         ), f"{notebook}, exercise {exercise.number}: {_printed(probe)!r}"
+
+
+def _cell(kind: str, text: str, tags: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"cell_type": kind, "source": text, "metadata": {"tags": list(tags)}, "outputs": []}
+
+
+def test_the_slice_keeps_what_the_exercises_read_and_skips_the_rest() -> None:
+    cells = [
+        _cell("code", "import math\nSIZE = 4"),
+        _cell("code", "slow = launch(train, 2)  # a long measurement no exercise reads"),
+        _cell("code", "def area(r):\n    return math.pi * r * r"),
+        _cell("code", "table = {}\ntable['x'] = area(SIZE)"),
+        _cell("code", "for key in table:\n    print(key)"),
+        _cell("code", "table.update(y=1)"),
+    ]
+    assert needed_cells(cells, {"table"}, before=len(cells)) == [0, 2, 3, 5]
+    assert needed_cells(cells, {"area"}, before=len(cells)) == [0, 2]
+
+
+@pytest.mark.parametrize(
+    ("cells", "match"),
+    [
+        ([_cell("code", "a = None", ("exercise",))], "needs a check and a solution"),
+        (
+            [
+                _cell("code", "a = None", ("exercise",)),
+                _cell("markdown", "<details><summary>Solution</summary>"),
+                _cell("code", "print('Exercise 1: correct')", ("exercise-check",)),
+            ],
+            "must be tagged 'exercise-check'",
+        ),
+        (
+            [
+                _cell("code", "a = None", ("exercise",)),
+                _cell("code", "print('Exercise 1: not attempted yet')", ("exercise-check",)),
+                _cell("markdown", "<details><summary>Solution</summary>\n\n```python\nb = 1\n```"
+                      "\n\n</details>"),
+            ],
+            r"does not define \['a'\]",
+        ),
+    ],
+)  # fmt: skip
+def test_malformed_exercises_are_named(cells: list[dict[str, Any]], match: str) -> None:
+    with pytest.raises(ExerciseFormatError, match=match):
+        exercises(cells)
