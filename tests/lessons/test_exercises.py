@@ -7,7 +7,9 @@ Cost: nbval already runs every lesson top to bottom with the stubs. Here each no
 down to the cells its exercises depend on (``notebook_exercises.needed_cells``: its setup cell,
 and the cells defining what the solutions and checks read), so a lesson's long measurements
 run only when an exercise reads their results. One kernel per notebook runs that slice, then
-the solutions and their checks, then each check once more with a wrong answer.
+the solutions and their checks, then each check once more with a wrong answer; a ``launch`` of
+the same function with the same arguments runs once (the pass with wrong answers gets back
+what the ranks returned in the first).
 """
 
 from __future__ import annotations
@@ -35,17 +37,18 @@ NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 LESSONS = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 MIN_EXERCISES = 3
 
-# Runs before the solutions: every launch() of the checks is recorded, so that the second pass,
-# with wrong answers, gets the same ranks' results back without launching them again.
+# Runs before the solutions: the checks' launches are seeded and deterministic, so a launch of
+# the same function with the same arguments (a second check, or the pass with wrong answers)
+# gets the first one's results back instead of starting the ranks again.
 REPLAY_LAUNCHES = textwrap.dedent(
     """
-    _replaying, _launched = False, {}
+    _launched = {}
     if "launch" in globals():
         _launch_ranks = launch
 
         def launch(fn, *args, **kwargs):
             key = (getattr(fn, "__qualname__", repr(fn)), repr(args), repr(kwargs))
-            if not (_replaying and key in _launched):
+            if key not in _launched:
                 _launched[key] = _launch_ranks(fn, *args, **kwargs)
             return _launched[key]
     """
@@ -149,7 +152,7 @@ def _solved_notebook(notebook: str) -> tuple[nbformat.NotebookNode, list[int]]:
     for exercise in found:
         cells.append(nbformat.v4.new_code_cell(exercise.solution))
         cells.append(nbformat.v4.new_code_cell(exercise.check))
-    cells.append(nbformat.v4.new_code_cell(WRONG_ANSWER + "\n_replaying = True\n"))
+    cells.append(nbformat.v4.new_code_cell(WRONG_ANSWER))
     for exercise in found:
         wrong = [f"{name} = _wrong_answer({name})" for name in exercise.names]
         probe = "\n".join(
