@@ -313,7 +313,7 @@ def recommend(plans: Sequence[Plan], gpu_memory: int, margin: float = 0.1) -> Pl
     """The plan that fits ``gpu_memory`` less the margin, maintained engines first.
 
     Among the plans that fit, those on a maintained engine (DDP, ZeroRedundancyOptimizer,
-    FSDP2, DeepSpeed) come first, then FSDP1, then FairScale's (:func:`maintenance_rank`);
+    FSDP2, DeepSpeed) come first, then FSDP1, then FairScale's;
     within a rank, the least communication per step wins, then the least memory on the
     fullest rank, then the first plan given.
 
