@@ -13,6 +13,10 @@ strategy names in Lightning's registry (see :mod:`fsdp_guide.strategies.registry
 - Lightning 1.x's ``"ddp_sharded_find_unused_parameters_false"`` and
   ``"ddp_sharded_spawn_find_unused_parameters_false"``: the first two (ShardedDDP never
   looks for unused parameters).
+
+Lightning's documentation: `strategies <https://lightning.ai/docs/pytorch/stable/extensions/strategy.html>`__;
+its own PyTorch FSDP strategy, `FSDPStrategy
+<https://lightning.ai/docs/pytorch/stable/api/lightning.pytorch.strategies.FSDPStrategy.html>`__.
 """
 
 from __future__ import annotations
