@@ -34,6 +34,7 @@ class OSS(DDP):
 
     name = "oss"
     title = "FairScale OSS"
+    maintenance = 2
     loads_dcp = False  # DCP does not fill its optimizer: a consolidated full file does
 
     @classmethod

@@ -29,7 +29,7 @@ from torch import nn
 
 from fsdp_guide.catalog import get_strategy
 from fsdp_guide.comm import CommPrediction, predict_communication
-from fsdp_guide.engines import engine_for
+from fsdp_guide.engines import engine_class, engine_for
 from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher import check_world_size
 from fsdp_guide.memory._predict import state_per_rank
@@ -281,20 +281,45 @@ def plan(
     )
 
 
-def recommend(plans: Sequence[Plan], gpu_memory: int, margin: float = 0.1) -> Plan | None:
-    """The plan that fits ``gpu_memory`` less the margin with the least communication per step.
+def maintenance_rank(strategy: str) -> int:
+    """0 for a maintained engine, 1 for a superseded one (FSDP1), 2 for FairScale's.
 
-    Ties go to the least memory on the fullest rank, then to the first plan given.
+    The engine's adapter says it (:attr:`fsdp_guide.engines.Engine.maintenance`).
+
+    Examples:
+        >>> [maintenance_rank(s) for s in ("fsdp2", "ddp", "fsdp", "sharded_ddp")]
+        [0, 0, 1, 2]
+    """
+    try:
+        engine = get_strategy(strategy).engine
+    except ValueError:  # a name outside the catalog: nothing is known against it
+        return 0
+    return engine_class(engine).maintenance
+
+
+def recommend(plans: Sequence[Plan], gpu_memory: int, margin: float = 0.1) -> Plan | None:
+    """The plan that fits ``gpu_memory`` less the margin, maintained engines first.
+
+    Among the plans that fit, those on a maintained engine (DDP, ZeroRedundancyOptimizer,
+    FSDP2, DeepSpeed) come first, then FSDP1, then FairScale's;
+    within a rank, the least communication per step wins, then the least memory on the
+    fullest rank, then the first plan given.
 
     Examples:
         >>> from fsdp_guide.models import MLP
         >>> plans = [plan(MLP(), batch_size=8, seq_len=1, world_size=2, strategy=s)
-        ...          for s in ("ddp", "fsdp_no_shard", "fsdp")]
-        >>> recommend(plans, 10**9).strategy  # both all-reduce; NO_SHARD holds less
-        'fsdp_no_shard'
-        >>> recommend(plans, 2_600_000).strategy, recommend(plans, 10) is None
-        ('fsdp', True)
+        ...          for s in ("ddp", "sharded_ddp", "fsdp", "fsdp2")]
+        >>> recommend(plans, 10**9).strategy  # the least communication, and maintained
+        'ddp'
+        >>> recommend(plans, 2_600_000).strategy  # DDP no longer fits; FSDP2 before FSDP1
+        'fsdp2'
+        >>> recommend(plans, 10) is None
+        True
     """
     fitting = [p for p in plans if p.fits(gpu_memory, margin)]
     # min() keeps the first of equal keys: the order given breaks exact ties.
-    return min(fitting, key=lambda p: (p.communication.payload_bytes, p.total), default=None)
+    return min(
+        fitting,
+        key=lambda p: (maintenance_rank(p.strategy), p.communication.payload_bytes, p.total),
+        default=None,
+    )
