@@ -113,10 +113,10 @@ class Engine(ABC):
     title: ClassVar[str]
     #: Older spellings of :attr:`name` still accepted.
     aliases: ClassVar[tuple[str, ...]] = ()
-    #: How far it is from what its maintainers recommend for new code: 0 developed (DDP,
-    #: ZeroRedundancyOptimizer, FSDP2, DeepSpeed), 1 superseded (FSDP1, by FSDP2; its
-    #: ``NO_SHARD`` already warns it is deprecated), 2 no longer developed (FairScale's last
-    #: release was in 2022). :func:`fsdp_guide.memory.recommend` ranks plans by it first.
+    #: 0 for an engine its maintainers develop (DDP, ZeroRedundancyOptimizer, FSDP2,
+    #: DeepSpeed), 1 for a superseded one (FSDP1, by FSDP2; its ``NO_SHARD`` already warns
+    #: it is deprecated), 2 for one no longer developed (FairScale's last release was in
+    #: 2022); :func:`fsdp_guide.memory.recommend` ranks plans by it first.
     maintenance: ClassVar[int] = 0
     #: Tensors hung on a parameter that hold its data (shards, gathered copies).
     param_buffers: ClassVar[tuple[str, ...]] = ()
