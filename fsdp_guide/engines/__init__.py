@@ -32,7 +32,15 @@ Examples:
 
 from __future__ import annotations
 
-from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient
+from fsdp_guide.engines._base import (
+    Built,
+    Collectives,
+    Engine,
+    Layout,
+    StepPeak,
+    StepSizes,
+    Transient,
+)
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
 from fsdp_guide.engines._registry import (
     ENGINES,
@@ -74,6 +82,8 @@ __all__ = [
     "Layout",
     "Plain",
     "ShardedDDP",
+    "StepPeak",
+    "StepSizes",
     "TorchStateDict",
     "Transient",
     "UnitEngine",

@@ -85,6 +85,46 @@ class Transient:
     kind: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepSizes:
+    """The sizes a step's peak depends on, in bytes (what :meth:`Engine.step_peak` reads).
+
+    Attributes:
+        params: All parameters at the parameters' precision (``P · Ψ``).
+        grads: All gradients at the gradients' precision (``G · Ψ``).
+        largest_unit: Parameters of the largest unit (a block), at ``P``.
+        largest_unit_grads: Its gradients, at ``G``.
+        root_unit: Parameters of the root unit (outside the blocks), at ``P``.
+        activations: What autograd saves in this rank's forward.
+    """
+
+    params: int
+    grads: int
+    largest_unit: int
+    largest_unit_grads: int
+    root_unit: int
+    activations: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPeak:
+    """What a rank holds at the peak of a training step beyond the state kept between steps.
+
+    Attributes:
+        bytes: Activations and short-lived buffers at the peak.
+        phase: ``"forward"``, ``"backward"`` or ``"optimizer step"``.
+        kind: What makes it up, in words.
+
+    Examples:
+        >>> StepPeak(bytes=10, phase="backward", kind="activations + gradients").bytes
+        10
+    """
+
+    bytes: int
+    phase: str
+    kind: str
+
+
 @dataclass(frozen=True)
 class Engine(ABC):
     """One implementation that trains a model on many ranks, configured by a strategy's settings.
@@ -210,6 +250,37 @@ class Engine(ABC):
             num_params: Parameters of the model.
             largest_unit: Parameters of the largest unit (a transformer block, say).
         """
+
+    @property
+    def grads_between_steps(self) -> bool:
+        """Whether the gradient buffers of :meth:`layout` stay allocated between steps
+        (DeepSpeed ZeRO-3's partition buffer and reduce bucket); ``False`` where
+        ``zero_grad()`` frees them."""
+        return False
+
+    def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
+        """The peak of a steady training step, beyond the state kept between steps.
+
+        The default, as DDP: every activation saved in forward is still held when backward
+        starts writing every gradient (their buckets fill as activations are freed, but the
+        first bucket's gradients come from the last layer, whose activations go last).
+
+        Args:
+            sizes: The sizes of the model and its activations.
+            world_size: Ranks.
+
+        Examples:
+            >>> from fsdp_guide.engines import engine_for
+            >>> sizes = StepSizes(params=400, grads=400, largest_unit=100,
+            ...                   largest_unit_grads=100, root_unit=0, activations=50)
+            >>> engine_for("ddp").step_peak(sizes, 2).bytes
+            450
+        """
+        return StepPeak(
+            bytes=sizes.activations + sizes.grads,
+            phase="backward",
+            kind="activations + every gradient",
+        )
 
     @abstractmethod
     def collectives(

@@ -30,6 +30,8 @@ from fsdp_guide.engines._base import (
     Built,
     Collectives,
     Layout,
+    StepPeak,
+    StepSizes,
     Transient,
     adam,
     fully_sharded,
@@ -149,6 +151,33 @@ class FSDP1(TorchStateDict, UnitEngine):
         group = self.shard_group_size(world_size)
         flat = math.ceil(total / group) if self.stage_at_step >= 3 else total
         return replicated(world_size, Layout(params=flat, grads=flat, optimizer=flat, steps=1))
+
+    def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
+        """The peak of a step of the model as :meth:`build` wraps it: one unit, the whole model.
+
+        Sharded: the larger of the start of backward (every activation and the gathered
+        parameters) and its end (the gathered parameters, the unsharded flat gradient and the
+        padded copy of it that is reduce-scattered). ``NO_SHARD``: as DDP.
+
+        Examples:
+            >>> sizes = StepSizes(params=1000, grads=1000, largest_unit=200,
+            ...                   largest_unit_grads=200, root_unit=200, activations=500)
+            >>> FSDP1().step_peak(sizes, 2).bytes, FSDP1().step_peak(sizes, 2).phase
+            (3000, 'backward')
+        """
+        if self.stage_at_step == 0:
+            return super().step_peak(sizes, world_size)
+        start = sizes.activations + sizes.params
+        end = sizes.params + 2 * sizes.grads
+        if start >= end:
+            return StepPeak(
+                bytes=start, phase="backward", kind="activations + every parameter gathered"
+            )
+        return StepPeak(
+            bytes=end,
+            phase="backward",
+            kind="gathered parameters + unsharded gradient + its copy to reduce-scatter",
+        )
 
     def transient(
         self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int

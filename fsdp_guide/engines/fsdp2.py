@@ -30,7 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_guide.engines._base import Built, Collectives, Layout, Transient, adam, fully_sharded
+from fsdp_guide.engines._base import (
+    Built,
+    Collectives,
+    Layout,
+    StepPeak,
+    StepSizes,
+    Transient,
+    adam,
+    fully_sharded,
+)
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
 from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 
@@ -101,6 +110,10 @@ class FSDP2(TorchStateDict, UnitEngine):
     Attributes:
         shard_group: Ranks per shard group on a 2-D ``(replicate, shard)`` mesh (HSDP), when
             the world divides by it; ``None`` to shard over every rank (a 1-D mesh).
+        reshard_after_forward: ``fully_shard``'s setting for the blocks: ``True`` frees each
+            block's gathered parameters after its forward (gathered again for backward),
+            ``False`` keeps them until backward, an int ``k`` keeps a ``1 / k`` shard of them
+            (gathered again from ``k`` ranks for backward).
 
     Examples:
         >>> hsdp = FSDP2(shard_group=2)
@@ -116,6 +129,7 @@ class FSDP2(TorchStateDict, UnitEngine):
     full_optimizer_keys = "name"
 
     shard_group: int | None = None
+    reshard_after_forward: bool | int = True
 
     def __post_init__(self) -> None:
         group = self.shard_group
@@ -153,7 +167,7 @@ class FSDP2(TorchStateDict, UnitEngine):
 
         mesh = self.mesh(device, world_size)
         for layer in getattr(model, "blocks", []):  # one unit per transformer block
-            fully_shard(layer, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         fully_shard(model, mesh=mesh)
         return model, adam(model.parameters(), lr)
 
@@ -179,6 +193,39 @@ class FSDP2(TorchStateDict, UnitEngine):
         return Transient(
             bytes=(param_bytes + grad_bytes) * largest_unit,
             kind="largest gathered unit (params + grads)",
+        )
+
+    def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
+        """Where ``reshard_after_forward`` puts the peak of a step.
+
+        ``True``: at the start of backward, every activation, the root's parameters (kept
+        from forward), two blocks gathered (the one running and the next, prefetched) and the
+        running block's unsharded gradients. ``False``: at the end of forward, every
+        activation and every parameter gathered, plus the copy-out buffer of the last
+        all-gather (a block). An int ``k``: as ``True``, plus each block's ``1 / k`` share
+        kept from forward.
+
+        Examples:
+            >>> sizes = StepSizes(params=1000, grads=1000, largest_unit=200,
+            ...                   largest_unit_grads=200, root_unit=200, activations=500)
+            >>> [FSDP2(reshard_after_forward=r).step_peak(sizes, 4).bytes for r in (True, False, 2)]
+            [1300, 1700, 1700]
+        """
+        a, unit = sizes.activations, sizes.largest_unit
+        if self.reshard_after_forward is False:
+            return StepPeak(
+                bytes=a + sizes.params + unit,
+                phase="forward",
+                kind="activations + every parameter gathered + one all-gather buffer",
+            )
+        kept = 0
+        if self.reshard_after_forward is not True:
+            kept = (sizes.params - sizes.root_unit) // int(self.reshard_after_forward)
+        return StepPeak(
+            bytes=a + sizes.root_unit + kept + 2 * unit + sizes.largest_unit_grads,
+            phase="backward",
+            kind="activations + root + two gathered blocks + a block's gradients"
+            + (" + the blocks' shares kept from forward" if kept else ""),
         )
 
     def collectives(

@@ -22,18 +22,20 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from fsdp_guide.catalog import get_strategy
 from fsdp_guide.comm import CommPrediction, predict_communication
-from fsdp_guide.engines import engine_class, engine_for
+from fsdp_guide.engines import Engine, StepSizes, engine_class, engine_for
 from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher import check_world_size
 from fsdp_guide.memory._predict import state_per_rank
 from fsdp_guide.memory._state import ModelState
+from fsdp_guide.memory._tp import cut_layers, local_model, tp_all_reduce_elements
 from fsdp_guide.memory._trace import (
     BatchBuilder,
     Checkpointing,
@@ -73,6 +75,15 @@ class Plan:
             optimizer owns whole tensors or a shard is padded.
         exact_state: Whether ``ranks`` follow the engine's layout to the byte (``False``:
             the ZeRO formula, for an engine the planner does not know).
+        step_peak: The most bytes held at once during a steady training step: the state
+            kept between steps (gradients freed by ``zero_grad()`` left out), the
+            activations and the buffers alive at that moment, as the engine says
+            (:meth:`fsdp_guide.engines.Engine.step_peak`).
+        step_peak_phase: Where in the step it falls.
+        step_peak_kind: What is held then beyond the state, in words.
+        tensor_parallel: Ranks of each tensor-parallel group (1: none); the state,
+            activations and communication are then those of one rank of a
+            ``(world_size // tensor_parallel, tensor_parallel)`` mesh.
     """
 
     strategy: str
@@ -87,6 +98,10 @@ class Plan:
     cpu_offload: bool = False
     ranks: tuple[ModelState, ...] = ()
     exact_state: bool = True
+    step_peak: int = 0
+    step_peak_phase: str = ""
+    step_peak_kind: str = ""
+    tensor_parallel: int = 1
 
     @property
     def fullest_rank(self) -> int:
@@ -148,6 +163,8 @@ class Plan:
             "transient_kind": self.transient_kind,
             "communication": self.communication.payload_bytes,
             "total": self.rank_total(index) if self.ranks else self.total,
+            "step_peak": self.step_peak,
+            "tensor_parallel": self.tensor_parallel,
         }
 
 
@@ -184,6 +201,8 @@ def plan(
     batch: BatchBuilder | None = None,
     optimizer: OptimizerName = "adam",
     activations: int | None = None,
+    tensor_parallel: int = 1,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -202,13 +221,22 @@ def plan(
         activations: Bytes already traced by :func:`traced_activation_bytes` for this model,
             batch, precision and checkpointing: the trace is skipped (planning one model
             for many strategies traces it once).
+        tensor_parallel: Ranks per tensor-parallel group, ``t``: the ranks form a
+            ``(world_size // t, t)`` mesh, tensor parallelism cuts the layers of ``tp_plan``
+            over its second dimension and the strategy (``"fsdp2"`` only) shards over the
+            first. ``batch_size`` is then per data-parallel group.
+        tp_plan: Layer name (or ``fnmatch`` pattern) to ``"colwise"`` or ``"rowwise"``; by
+            default the model's own ``tp_plan`` attribute (:data:`fsdp_guide.parallel.TP_PLAN`
+            for :class:`fsdp_guide.parallel.ParallelTransformer`).
 
     Returns:
         A :class:`Plan`.
 
     Raises:
         PlanError: Unknown strategy, bad sizes, more than ``MAX_RANKS`` (2**20) ranks, a failing
-            builder, CPU offload with a strategy that does not shard parameters.
+            builder, CPU offload with a strategy that does not shard parameters; a
+            tensor-parallel degree that does not divide the ranks or the cut layers, with a
+            strategy other than ``"fsdp2"``, or without a plan.
 
     Examples:
         >>> from fsdp_guide.memory import predict_model_state
@@ -245,8 +273,16 @@ def plan(
     num_params = sum(p.numel() for p in model.parameters())
     if num_params == 0:
         raise PlanError(f"{type(model).__name__} has no parameters to train")
+    tp, tp_elements = _check_tp(engine, world_size, tensor_parallel), 0
+    if tp > 1:  # from here on, the model is what one rank of a tensor-parallel group computes
+        cut = cut_layers(model, tp, _tp_plan_of(model, tp_plan))
+        tp_elements = tp_all_reduce_elements(model, cut, batch_size, seq_len)
+        model = local_model(model, tp, cut)
+    dp = world_size // tp
     shapes = [tuple(p.shape) for p in model.parameters()]
-    ranks, exact = state_per_rank(engine, shapes, world_size, precision, optimizer)
+    local_params = sum(math.prod(shape) for shape in shapes)
+    dp_ranks, exact = state_per_rank(engine, shapes, dp, precision, optimizer)
+    ranks = tuple(dp_ranks[r // tp] for r in range(world_size))  # the mesh is row-major
     state = max(ranks, key=lambda s: s.total)  # the first of the fullest
     if activations is not None:
         if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
@@ -262,9 +298,28 @@ def plan(
         )
     largest, root = unit_params(model)
     transient = engine.transient(
-        param_bytes=per.params, grad_bytes=per.grads, num_params=num_params, largest_unit=largest
+        param_bytes=per.params, grad_bytes=per.grads, num_params=local_params, largest_unit=largest
     )
     dtype = "bf16" if precision == "mixed" else "fp32"
+    communication = predict_communication(spec.name, local_params, dp, dtype, root)
+    if tp > 1:
+        communication = replace(
+            communication,
+            num_params=num_params,
+            world_size=world_size,
+            payload={**communication.payload, "all_reduce": tp_elements},
+            group_sizes={**communication.group_sizes, "all_reduce": tp},
+        )
+    sizes = StepSizes(
+        params=per.params * local_params,
+        grads=per.grads * local_params,
+        largest_unit=per.params * largest,
+        largest_unit_grads=per.grads * largest,
+        root_unit=per.params * root,
+        activations=activations,
+    )
+    peak = engine.step_peak(sizes, dp)
+    kept = state.total if engine.grads_between_steps else state.total - state.grads - state.buckets
     return Plan(
         strategy=spec.name,
         world_size=world_size,
@@ -274,11 +329,40 @@ def plan(
         activations=activations,
         transient=transient.bytes,
         transient_kind=transient.kind,
-        communication=predict_communication(spec.name, num_params, world_size, dtype, root),
+        communication=communication,
         cpu_offload=cpu_offload,
         ranks=ranks,
         exact_state=exact,
+        step_peak=(0 if cpu_offload else kept) + peak.bytes,
+        step_peak_phase=peak.phase,
+        step_peak_kind=peak.kind,
+        tensor_parallel=tp,
     )
+
+
+def _check_tp(engine: Engine, world_size: int, tensor_parallel: int) -> int:
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int):
+        raise PlanError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
+    if tensor_parallel < 1 or world_size % tensor_parallel:
+        raise PlanError(
+            f"tensor_parallel={tensor_parallel} must be >= 1 and divide world_size={world_size}"
+        )
+    dp = world_size // tensor_parallel
+    if tensor_parallel > 1 and (engine.name != "fsdp2" or engine.shard_group_size(dp) != dp):
+        raise PlanError(
+            "tensor parallelism is planned with strategy='fsdp2' on the other mesh "
+            f"dimension, not {engine.name!r}"
+        )
+    return tensor_parallel
+
+
+def _tp_plan_of(model: nn.Module, tp_plan: Mapping[str, str] | None) -> Mapping[str, str]:
+    found = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
+    if not isinstance(found, Mapping) or not found:
+        raise PlanError(
+            f"{type(model).__name__} has no tp_plan: pass tp_plan={{'layer': 'colwise', ...}}"
+        )
+    return found
 
 
 def maintenance_rank(strategy: str) -> int:
