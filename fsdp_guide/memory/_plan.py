@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from torch import nn
 
@@ -203,6 +204,7 @@ def plan(
     activations: int | None = None,
     tensor_parallel: int = 1,
     tp_plan: Mapping[str, str] | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -225,6 +227,10 @@ def plan(
             ``(world_size // t, t)`` mesh, tensor parallelism cuts the layers of ``tp_plan``
             over its second dimension and the strategy (``"fsdp2"`` only) shards over the
             first. ``batch_size`` is then per data-parallel group.
+        settings: Engine settings that replace the strategy's own, such as
+            ``{"reshard_after_forward": False}`` for ``"fsdp2"`` or
+            ``{"backward_prefetch": None}`` for ``"fsdp"`` (the fields of its
+            :mod:`fsdp_guide.engines` adapter).
         tp_plan: Layer name (or ``fnmatch`` pattern) to ``"colwise"`` or ``"rowwise"``; by
             default the model's own ``tp_plan`` attribute (:data:`fsdp_guide.parallel.TP_PLAN`
             for :class:`fsdp_guide.parallel.ParallelTransformer`).
@@ -256,6 +262,15 @@ def plan(
     try:
         spec = get_strategy(strategy)
         engine = engine_for(spec)
+        if settings:
+            known = sorted(f.name for f in fields(engine))
+            unknown = sorted(set(settings) - set(known))
+            if unknown:
+                raise PlanError(
+                    f"{spec.name!r} runs on {engine.name}, which has no setting {unknown}; "
+                    f"its settings: {', '.join(known) or 'none'}"
+                )
+            engine = replace(engine, **settings)
         check_world_size(world_size)
         per = bytes_per_param(precision, optimizer)
     except ValueError as exc:

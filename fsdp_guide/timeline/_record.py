@@ -18,7 +18,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -74,6 +74,9 @@ class StepTimeline:
         collectives: Every collective, in the order issued.
         state_before: Bytes of model state held when the step began (they are in
             ``bytes`` from the first instant on).
+        categorised: ``False`` where torch's memory profile could not sort the step's
+            tensors (it rejects FSDP1's flat-parameter graphs): what the step allocates is
+            then all counted as temporaries, its total still exact.
 
     Examples:
         >>> t = StepTimeline(times_us=(0.0, 1.0), bytes={c: (1, 2) for c in CATEGORIES},
@@ -87,6 +90,7 @@ class StepTimeline:
     phases: tuple[tuple[str, float, float], ...]
     collectives: tuple[CollectiveEvent, ...]
     state_before: int
+    categorised: bool = True
 
     @property
     def total(self) -> tuple[int, ...]:
@@ -190,16 +194,42 @@ def record_step(
         memory = os.path.join(tmp, "memory.json")
         trace = os.fspath(trace_path) if trace_path else os.path.join(tmp, "trace.json")
         device = "cuda:0" if torch.cuda.is_available() else "cpu"
-        with _quiet():
-            profiler.export_memory_timeline(memory, device=device)
         profiler.export_chrome_trace(trace)
-        with open(memory) as f:
-            times, sizes = json.load(f)
         with open(trace) as f:
             trace_json = json.load(f)
-    # The memory profile counts microseconds since the epoch; the trace from its own base.
-    base = float(trace_json.get("baseTimeNanoseconds", 0)) / 1000
-    return _timeline(times, sizes, trace_json["traceEvents"], base, state_before)
+        # The memory profile counts microseconds since the epoch; the trace from its own base.
+        base = float(trace_json.get("baseTimeNanoseconds", 0)) / 1000
+        try:
+            with _quiet():
+                profiler.export_memory_timeline(memory, device=device)
+            with open(memory) as f:
+                times, sizes = json.load(f)
+            categorised = True
+        except (AssertionError, KeyError, RuntimeError, ValueError):
+            # The memory profile rejects some graphs (FSDP1's flat parameters): the trace's
+            # allocation events still give the exact total, the step's own bytes uncategorised.
+            times, sizes = _uncategorised(trace_json["traceEvents"], base)
+            categorised = False
+    timeline = _timeline(times, sizes, trace_json["traceEvents"], base, state_before)
+    return replace(timeline, categorised=categorised)
+
+
+def _uncategorised(
+    events: list[dict[str, Any]], base: float
+) -> tuple[list[float], list[list[int]]]:
+    """Rows of the memory profile's shape from the trace's allocation events, all of them in
+    its last column (tensors it could not categorise)."""
+    allocations = sorted(
+        (float(e["ts"]), int(e["args"]["Bytes"]))
+        for e in events
+        if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0
+    )
+    times, sizes, held = [base], [[0] * len(_COLUMNS)], 0
+    for ts, nbytes in allocations:
+        held += nbytes
+        times.append(ts + base)
+        sizes.append([0] * (len(_COLUMNS) - 1) + [held])
+    return times, sizes
 
 
 def _timeline(
