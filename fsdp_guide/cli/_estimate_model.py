@@ -63,20 +63,26 @@ def run_model(args: argparse.Namespace) -> int:
 
     builder = load_builder(args.model, dict(args.model_arg or []))
     checkpointing = _checkpointing(args.activation_checkpointing)
-    names = args.strategy or list(STRATEGIES)
+    tp = getattr(args, "tensor_parallel", 1)
+    names = args.strategy or (["fsdp2"] if tp > 1 else list(STRATEGIES))
     plans: list[Plan] = []
     try:
         model = build_on_meta(builder)
         config = getattr(model, "config", None)
         seq_len = args.seq_len or getattr(config, "seq_len", 1)
-        # One trace serves every strategy: the activations per rank do not depend on it.
-        activations = traced_activation_bytes(
-            model,
-            args.batch_size,
-            seq_len,
-            precision=args.precision,
-            activation_checkpointing=checkpointing,
-        )
+        batch = getattr(model, "example_batch", None)
+        # One trace serves every strategy: the activations per rank do not depend on it
+        # (with tensor parallelism, plan() traces the model as one rank cuts it).
+        activations = None
+        if tp == 1:
+            activations = traced_activation_bytes(
+                model,
+                args.batch_size,
+                seq_len,
+                precision=args.precision,
+                activation_checkpointing=checkpointing,
+                batch=batch,
+            )
         for name in names:
             plans.append(
                 plan(
@@ -89,6 +95,8 @@ def run_model(args: argparse.Namespace) -> int:
                     activation_checkpointing=checkpointing,
                     optimizer=args.optimizer,
                     activations=activations,
+                    tensor_parallel=tp,
+                    batch=batch,
                 )
             )
     except PlanError as exc:

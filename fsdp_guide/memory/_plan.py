@@ -363,7 +363,9 @@ def _check_tp(engine: Engine, world_size: int, tensor_parallel: int) -> int:
             f"tensor_parallel={tensor_parallel} must be >= 1 and divide world_size={world_size}"
         )
     dp = world_size // tensor_parallel
-    if tensor_parallel > 1 and (engine.name != "fsdp2" or engine.shard_group_size(dp) != dp):
+    # FSDP2 over the whole data-parallel dimension: no all-reduce of its own (HSDP has one).
+    hybrid = "all_reduce" in engine.collectives(dp, dp).payload
+    if tensor_parallel > 1 and (engine.name != "fsdp2" or hybrid):
         raise PlanError(
             "tensor parallelism is planned with strategy='fsdp2' on the other mesh "
             f"dimension, not {engine.name!r}"

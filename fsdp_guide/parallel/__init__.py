@@ -5,7 +5,8 @@
 :data:`TP_PLAN` says which layers are cut column-wise and which row-wise. :func:`mesh_2d`
 builds a ``(dp, tp)`` device mesh and :func:`parallelize` applies ``parallelize_module`` on
 ``tp`` and ``fully_shard`` on ``dp``. :func:`fsdp_guide.memory.plan` with
-``tensor_parallel=`` predicts what each rank then holds and sends.
+``tensor_parallel=`` predicts what each rank then holds and sends; :func:`train_2d` (a
+launched rank) measures it, and :func:`reference_losses` trains the same model unsharded.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fsdp_guide.parallel._model import (
     ParallelConfig,
     ParallelTransformer,
 )
+from fsdp_guide.parallel._run import reference_losses, token_batch, train_2d
 
 __all__ = [
     "TP_PLAN",
@@ -29,4 +31,7 @@ __all__ = [
     "ParallelTransformer",
     "mesh_2d",
     "parallelize",
+    "reference_losses",
+    "token_batch",
+    "train_2d",
 ]

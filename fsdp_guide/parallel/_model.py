@@ -128,6 +128,11 @@ class ParallelTransformer(nn.Module):
         self.norm = nn.LayerNorm(c.dim)
         self.head = nn.Linear(c.dim, c.vocab_size)
 
+    def example_batch(self, batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
+        """Token ids and targets of a batch (zeros), what the planner traces the model on."""
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+        return ids, ids.clone()
+
     def forward(self, tokens: Tensor) -> Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok_emb(tokens) + self.pos_emb(positions)

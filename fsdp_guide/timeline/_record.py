@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -137,6 +138,21 @@ class _Marked(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 @contextmanager
+def _native_stderr_closed() -> Iterator[None]:
+    """Send what native code writes to stderr to /dev/null: the profiler logs a line when it
+    starts and stops on every rank, which would bury a lesson's output."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextmanager
 def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():  # the memory timeline export warns it is deprecated
         warnings.simplefilter("ignore", FutureWarning)
@@ -183,13 +199,19 @@ def record_step(
     profiler = torch.profiler.profile(
         activities=activities, profile_memory=True, record_shapes=True, with_stack=True
     )
-    with profiler, _Marked():  # type: ignore[no-untyped-call]
-        with torch.profiler.record_function(f"{_MARK}forward"):
-            out = forward()
-        with torch.profiler.record_function(f"{_MARK}backward"):
-            backward(out)
-        with torch.profiler.record_function(f"{_MARK}optimizer step"):
-            step()
+    with _native_stderr_closed():
+        profiler.start()
+    try:
+        with _Marked():  # type: ignore[no-untyped-call]
+            with torch.profiler.record_function(f"{_MARK}forward"):
+                out = forward()
+            with torch.profiler.record_function(f"{_MARK}backward"):
+                backward(out)
+            with torch.profiler.record_function(f"{_MARK}optimizer step"):
+                step()
+    finally:
+        with _native_stderr_closed():
+            profiler.stop()
     with tempfile.TemporaryDirectory() as tmp:
         memory = os.path.join(tmp, "memory.json")
         trace = os.fspath(trace_path) if trace_path else os.path.join(tmp, "trace.json")

@@ -181,6 +181,11 @@ CASES: list[tuple[str, str, tuple[Any, ...]]] = [
     ("08_ddp_optimizations.ipynb", "accumulate_every_step", ()),
     ("09_deepspeed_zero.ipynb", "train", ({},)),
     ("09_deepspeed_zero.ipynb", "train_and_save", ()),
+    ("13_one_step_in_time.ipynb", "one_step", ("ddp",)),
+    ("13_one_step_in_time.ipynb", "one_step", ("zero1",)),
+    ("13_one_step_in_time.ipynb", "one_step", ("fsdp2", {"reshard_after_forward": False})),
+    ("13_one_step_in_time.ipynb", "one_step", ("deepspeed_zero3",)),
+    ("13_one_step_in_time.ipynb", "every_step", ({"FSDP1": ("fsdp1", {})},)),
 ]
 
 
@@ -268,6 +273,9 @@ NO_TRAINING = {
     ("07_lightning_strategies.ipynb", "oss_state_bytes"),
     ("05_wrapping_policies.ipynb", "wrap_fairscale"),
     ("08_ddp_optimizations.ipynb", "without_the_flag"),
+    # a package function (fsdp_guide.parallel), device=None meaning rank_device(), tested
+    # on 4 ranks in tests/parallel
+    ("14_beyond_data_parallelism.ipynb", "train_2d"),
 }
 
 
