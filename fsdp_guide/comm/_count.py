@@ -229,7 +229,16 @@ def payload_of(func: Any, args: Any) -> tuple[str, int, int, set[str], Any] | No
     """(kind, elements, bytes, dtypes, process group) of a collective op, None for other ops.
 
     Both the ``c10d`` ops (``torch.distributed``'s calls) and the functional collectives
-    (``_c10d_functional``, issued by DTensor) are recognised.
+    (``_c10d_functional``, issued by DTensor) are recognised. A ``TorchDispatchMode`` calls
+    it with each op it sees.
+
+    Args:
+        func: The op (``OpOverload``) a dispatch mode received.
+        args: Its positional arguments.
+
+    Examples:
+        >>> payload_of(torch.ops.aten.add.Tensor, (torch.ones(2), torch.ones(2))) is None
+        True
     """
     scale, group = 1, None
     if func.namespace == "c10d":

@@ -37,8 +37,6 @@ from fsdp_guide.engines._base import (
     Collectives,
     Engine,
     Layout,
-    StepPeak,
-    StepSizes,
     Transient,
 )
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
@@ -55,6 +53,7 @@ from fsdp_guide.engines._registry import (
     unit_of,
     wrap_for_strategy,
 )
+from fsdp_guide.engines._step import StepPeak, StepSizes
 from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 from fsdp_guide.engines.ddp import DDP
 from fsdp_guide.engines.deepspeed import DeepSpeedZero, deepspeed_layout

@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from fsdp_guide.engines._step import StepPeak, StepSizes
+
 #: What :meth:`Engine.build` returns: the module to train and its optimizer. A DeepSpeed
 #: engine's optimizer is DeepSpeed's ZeRO optimizer, typed as the torch optimizer it wraps.
 Built = tuple[nn.Module, torch.optim.Optimizer]
@@ -82,46 +84,6 @@ class Transient:
     """
 
     bytes: int
-    kind: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepSizes:
-    """The sizes a step's peak depends on, in bytes (what :meth:`Engine.step_peak` reads).
-
-    Attributes:
-        params: All parameters at the parameters' precision (``P · Ψ``).
-        grads: All gradients at the gradients' precision (``G · Ψ``).
-        largest_unit: Parameters of the largest unit (a block), at ``P``.
-        largest_unit_grads: Its gradients, at ``G``.
-        root_unit: Parameters of the root unit (outside the blocks), at ``P``.
-        activations: What autograd saves in this rank's forward.
-    """
-
-    params: int
-    grads: int
-    largest_unit: int
-    largest_unit_grads: int
-    root_unit: int
-    activations: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepPeak:
-    """What a rank holds at the peak of a training step beyond the state kept between steps.
-
-    Attributes:
-        bytes: Activations and short-lived buffers at the peak.
-        phase: ``"forward"``, ``"backward"`` or ``"optimizer step"``.
-        kind: What makes it up, in words.
-
-    Examples:
-        >>> StepPeak(bytes=10, phase="backward", kind="activations + gradients").bytes
-        10
-    """
-
-    bytes: int
-    phase: str
     kind: str
 
 

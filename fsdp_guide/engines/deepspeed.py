@@ -32,8 +32,6 @@ from fsdp_guide.engines._base import (
     Collectives,
     Engine,
     Layout,
-    StepPeak,
-    StepSizes,
     Transient,
     replicated,
 )
@@ -43,6 +41,7 @@ from fsdp_guide.engines._deepspeed_state import (
     is_deepspeed_engine,
     zero_stage_of,
 )
+from fsdp_guide.engines._step import StepPeak, StepSizes
 from fsdp_guide.launcher import check_world_size
 
 __all__ = ["DeepSpeedZero", "deepspeed_layout"]

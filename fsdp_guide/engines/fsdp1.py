@@ -30,14 +30,13 @@ from fsdp_guide.engines._base import (
     Built,
     Collectives,
     Layout,
-    StepPeak,
-    StepSizes,
     Transient,
     adam,
     fully_sharded,
     replicated,
 )
 from fsdp_guide.engines._checkpoint import TorchStateDict
+from fsdp_guide.engines._step import StepPeak, StepSizes
 from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 
 __all__ = ["FSDP1"]

@@ -34,13 +34,12 @@ from fsdp_guide.engines._base import (
     Built,
     Collectives,
     Layout,
-    StepPeak,
-    StepSizes,
     Transient,
     adam,
     fully_sharded,
 )
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
+from fsdp_guide.engines._step import StepPeak, StepSizes
 from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 
 __all__ = ["FSDP2", "local_tensor", "rows_per_shard"]

@@ -23,7 +23,7 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -31,12 +31,18 @@ from torch import nn
 
 from fsdp_guide.catalog import get_strategy
 from fsdp_guide.comm import CommPrediction, predict_communication
-from fsdp_guide.engines import Engine, StepSizes, engine_class, engine_for
+from fsdp_guide.engines import StepSizes, engine_for
 from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher import check_world_size
 from fsdp_guide.memory._predict import state_per_rank
 from fsdp_guide.memory._state import ModelState
-from fsdp_guide.memory._tp import cut_layers, local_model, tp_all_reduce_elements
+from fsdp_guide.memory._tp import (
+    check_tp,
+    cut_layers,
+    local_model,
+    tp_all_reduce_elements,
+    tp_plan_of,
+)
 from fsdp_guide.memory._trace import (
     BatchBuilder,
     Checkpointing,
@@ -288,9 +294,9 @@ def plan(
     num_params = sum(p.numel() for p in model.parameters())
     if num_params == 0:
         raise PlanError(f"{type(model).__name__} has no parameters to train")
-    tp, tp_elements = _check_tp(engine, world_size, tensor_parallel), 0
+    tp, tp_elements = check_tp(engine, world_size, tensor_parallel), 0
     if tp > 1:  # from here on, the model is what one rank of a tensor-parallel group computes
-        cut = cut_layers(model, tp, _tp_plan_of(model, tp_plan))
+        cut = cut_layers(model, tp, tp_plan_of(model, tp_plan))
         tp_elements = tp_all_reduce_elements(model, cut, batch_size, seq_len)
         model = local_model(model, tp, cut)
     dp = world_size // tp
@@ -352,75 +358,4 @@ def plan(
         step_peak_phase=peak.phase,
         step_peak_kind=peak.kind,
         tensor_parallel=tp,
-    )
-
-
-def _check_tp(engine: Engine, world_size: int, tensor_parallel: int) -> int:
-    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int):
-        raise PlanError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
-    if tensor_parallel < 1 or world_size % tensor_parallel:
-        raise PlanError(
-            f"tensor_parallel={tensor_parallel} must be >= 1 and divide world_size={world_size}"
-        )
-    dp = world_size // tensor_parallel
-    # FSDP2 over the whole data-parallel dimension: no all-reduce of its own (HSDP has one).
-    hybrid = "all_reduce" in engine.collectives(dp, dp).payload
-    if tensor_parallel > 1 and (engine.name != "fsdp2" or hybrid):
-        raise PlanError(
-            "tensor parallelism is planned with strategy='fsdp2' on the other mesh "
-            f"dimension, not {engine.name!r}"
-        )
-    return tensor_parallel
-
-
-def _tp_plan_of(model: nn.Module, tp_plan: Mapping[str, str] | None) -> Mapping[str, str]:
-    found = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
-    if not isinstance(found, Mapping) or not found:
-        raise PlanError(
-            f"{type(model).__name__} has no tp_plan: pass tp_plan={{'layer': 'colwise', ...}}"
-        )
-    return found
-
-
-def maintenance_rank(strategy: str) -> int:
-    """0 for a maintained engine, 1 for a superseded one (FSDP1), 2 for FairScale's.
-
-    The engine's adapter says it (:attr:`fsdp_guide.engines.Engine.maintenance`).
-
-    Examples:
-        >>> [maintenance_rank(s) for s in ("fsdp2", "ddp", "fsdp", "sharded_ddp")]
-        [0, 0, 1, 2]
-    """
-    try:
-        engine = get_strategy(strategy).engine
-    except ValueError:  # a name outside the catalog: nothing is known against it
-        return 0
-    return engine_class(engine).maintenance
-
-
-def recommend(plans: Sequence[Plan], gpu_memory: int, margin: float = 0.1) -> Plan | None:
-    """The plan that fits ``gpu_memory`` less the margin, maintained engines first.
-
-    Among the plans that fit, those on a maintained engine (DDP, ZeroRedundancyOptimizer,
-    FSDP2, DeepSpeed) come first, then FSDP1, then FairScale's;
-    within a rank, the least communication per step wins, then the least memory on the
-    fullest rank, then the first plan given.
-
-    Examples:
-        >>> from fsdp_guide.models import MLP
-        >>> plans = [plan(MLP(), batch_size=8, seq_len=1, world_size=2, strategy=s)
-        ...          for s in ("ddp", "sharded_ddp", "fsdp", "fsdp2")]
-        >>> recommend(plans, 10**9).strategy  # the least communication, and maintained
-        'ddp'
-        >>> recommend(plans, 2_600_000).strategy  # DDP no longer fits; FSDP2 before FSDP1
-        'fsdp2'
-        >>> recommend(plans, 10) is None
-        True
-    """
-    fitting = [p for p in plans if p.fits(gpu_memory, margin)]
-    # min() keeps the first of equal keys: the order given breaks exact ties.
-    return min(
-        fitting,
-        key=lambda p: (maintenance_rank(p.strategy), p.communication.payload_bytes, p.total),
-        default=None,
     )

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from fsdp_guide.engines import Engine
 from fsdp_guide.errors import PlanError
 
 Styles = Mapping[str, str]
@@ -101,3 +102,32 @@ def tp_all_reduce_elements(
         features = layer.out_features if style == "rowwise" else layer.in_features
         total += batch_size * seq_len * features
     return total
+
+
+def check_tp(engine: Engine, world_size: int, tensor_parallel: int) -> int:
+    """``tensor_parallel``, checked: an int dividing the ranks, with plain FSDP2 on ``dp``."""
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int):
+        raise PlanError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
+    if tensor_parallel < 1 or world_size % tensor_parallel:
+        raise PlanError(
+            f"tensor_parallel={tensor_parallel} must be >= 1 and divide world_size={world_size}"
+        )
+    dp = world_size // tensor_parallel
+    # FSDP2 over the whole data-parallel dimension: no all-reduce of its own (HSDP has one).
+    hybrid = "all_reduce" in engine.collectives(dp, dp).payload
+    if tensor_parallel > 1 and (engine.name != "fsdp2" or hybrid):
+        raise PlanError(
+            "tensor parallelism is planned with strategy='fsdp2' on the other mesh "
+            f"dimension, not {engine.name!r}"
+        )
+    return tensor_parallel
+
+
+def tp_plan_of(model: nn.Module, tp_plan: Mapping[str, str] | None) -> Mapping[str, str]:
+    """``tp_plan``, or the model's own ``tp_plan`` attribute."""
+    found = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
+    if not isinstance(found, Mapping) or not found:
+        raise PlanError(
+            f"{type(model).__name__} has no tp_plan: pass tp_plan={{'layer': 'colwise', ...}}"
+        )
+    return found

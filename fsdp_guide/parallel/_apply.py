@@ -37,7 +37,9 @@ def parallelize(model: nn.Module, mesh: Any, tp_plan: Mapping[str, str] | None =
 
     Args:
         model: A model with a ``blocks`` ``ModuleList``, on the rank's device.
-        mesh: A 2-D mesh with dimensions ``"dp"`` and ``"tp"`` (:func:`mesh_2d`).
+        mesh: A 2-D mesh with dimensions ``"dp"`` and ``"tp"`` (:func:`mesh_2d`), or
+            anything that gives the two 1-D meshes by those keys (Lightning's
+            ``ModelParallelStrategy`` names them ``"data_parallel"`` and ``"tensor_parallel"``).
         tp_plan: Layer name to ``"colwise"`` / ``"rowwise"``.
 
     Returns:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_guide.comm._count import payload_of
+from fsdp_guide.comm import payload_of
 
 #: The categories of a timeline, in the order tables and plots show them.
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
