@@ -5,7 +5,7 @@ API and command line only, so the same script measures any version. Run from the
 repository root (a private mount namespace for the full-disk rows: root, or ``unshare``
 allowed for users)::
 
-    python benchmarks/checkpoint_faults.py
+    python benchmarks/checkpoint_faults.py          # or only some items: ... 2 6
 
 Scenarios: a flipped tensor byte in a full file; ``consolidate SRC SRC/index.json``; a disk
 filled mid-save (full, and sharded on 2 ranks with the error left to propagate, as user
@@ -154,8 +154,8 @@ def killed_mid_write() -> str:
 
 
 def bad_command_lines() -> str:
-    source = ROOT / "src"
-    broken = ROOT / "broken"
+    source = ROOT / "src6"  # item 3 may have destroyed "src"
+    launch(save_sharded, 1, args=(str(source),), start_method="fork")
     index = json.loads((source / "index.json").read_text())
     lines = {}
     modules = ROOT / "modules"
@@ -174,14 +174,14 @@ def bad_command_lines() -> str:
         "world_size 'two'": {"world_size": "two"},
         "extra outside the checkpoint": {"extra": "../outside.pt"},
     }
-    for name, edit in edits.items():
-        shutil.rmtree(broken, ignore_errors=True)
+    for number, (name, edit) in enumerate(edits.items()):
+        broken = ROOT / f"broken{number}"
         shutil.copytree(source, broken)
         changed = {k: v for k, v in {**index, **edit}.items() if v is not None}
         (broken / "index.json").write_text(json.dumps(changed))
         lines[name] = [*CLI, "consolidate", str(broken), str(ROOT / "out.pt")]
     (ROOT / "afile").write_text("x")
-    lines["destination under a file"] = [*CLI, "consolidate", str(source), str(ROOT / "afile/o.pt")]
+    lines["destination under a file"] = [*CLI, "consolidate", str(source), str(ROOT / "afile/o")]
     lines["module raising at import"] = [*CLI, "estimate", "--model", "user_import:build"]
     lines["builder calling sys.exit(0)"] = [*CLI, "estimate", "--model", "user_build:exits"]
     lines["builder never returning"] = [*CLI, "estimate", "--model", "user_build:spins"]
@@ -196,7 +196,8 @@ def bad_command_lines() -> str:
         status, err, seconds = run(argv, limit=30, env=env)
         said = [line for line in err.splitlines() if line.strip()]
         traceback = "traceback" if "Traceback" in err else f"{len(said)} line(s)"
-        rows.append(f"  {name}: exit {status}, {traceback}, {seconds:.1f} s")
+        last = said[-1][:90] if said else ""
+        rows.append(f"  {name}: exit {status}, {traceback}, {seconds:.1f} s: {last}")
     return "\n" + "\n".join(rows)
 
 
@@ -238,6 +239,7 @@ def reshard_fsdp1() -> str:
 
 def main() -> None:
     torch.set_num_threads(1)
+    chosen = sys.argv[1:]  # item numbers, all by default
     for item, scenario in [
         ("2 flipped tensor byte, full file", flipped_tensor_byte),
         ("3 consolidate SRC SRC/index.json", consolidate_into_itself),
@@ -246,7 +248,8 @@ def main() -> None:
         ("6 bad command lines", bad_command_lines),
         ("8 FSDP1 per-layer, odd sizes", reshard_fsdp1),
     ]:
-        print(f"{item}: {scenario()}", flush=True)
+        if not chosen or item.split()[0] in chosen:
+            print(f"{item}: {scenario()}", flush=True)
     shutil.rmtree(ROOT, ignore_errors=True)
 
 
