@@ -19,12 +19,8 @@ it with its own model and optimizer):
   FSDP, PyTorch FSDP1 and FSDP2, a DeepSpeed engine).
 
 A failure on any rank raises the same :class:`CheckpointError` on every rank, so no rank is
-left waiting and nothing is loaded halfway. Every file is checked against a SHA-256 before
-it is read (a full file carries its own), so a changed byte, tensor data included, is an
-error naming the file. A save replaces the previous checkpoint only once it is complete,
-leaves nothing behind when it fails (a full disk is named as such), and what a killed save
-left is removed by the next one. A sharded PyTorch FSDP checkpoint loads at any world size.
-The two formats, what loads where, and how files are written and read safely:
+left waiting and nothing is loaded halfway. Every file is checked against a SHA-256, and a
+failed or killed save leaves nothing the next save does not remove. The two formats, what loads where, and how files are written and read safely:
 :doc:`/guide/checkpoints`. PyTorch FSDP shards are written
 with `torch.distributed.checkpoint
 <https://docs.pytorch.org/docs/stable/distributed.checkpoint.html>`__ (DCP), DeepSpeed's
