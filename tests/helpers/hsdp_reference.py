@@ -1,0 +1,78 @@
+"""What ``examples/fsdp2_hsdp.py`` should measure: the unsharded losses, and the bytes predicted.
+
+The prediction for FSDP2 HSDP is composed here, local to the tests and the benchmark, from two
+planner pieces, because the catalog has no FSDP2 hybrid strategy yet:
+
+- model state per rank: :func:`fsdp_guide.memory.plan` of ``"fsdp2"`` over one node's ranks
+  (HSDP shards like FSDP2 within the shard group and keeps one such copy per node);
+- collectives: :func:`fsdp_guide.memory.predict_communication` of ``"fsdp_hybrid"`` (FSDP1
+  ``HYBRID_SHARD`` in pairs moves the same payloads as FSDP2 HSDP with two ranks per node:
+  reduce-scatter ``Ψ`` and all-gather ``2Ψ - R`` inside the node, all-reduce ``Ψ/S`` across).
+
+The number of calls is FSDP2's, one collective per unit and direction: an all-gather per unit
+in forward and again in backward except the root's (kept unsharded in between), one
+reduce-scatter and one all-reduce per unit.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fsdp_guide.memory import ModelState, plan, predict_communication, root_unit_params
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from fsdp2_train import LAYERS, Model, batch, loss_of
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class HSDPPrediction:
+    """Bytes one rank holds, and its collectives of one step: (where, kind) -> (calls, bytes)."""
+
+    state: ModelState
+    collectives: dict[tuple[str, str], tuple[int, int]]
+
+
+def hsdp_prediction(nodes: int, ranks_per_node: int) -> HSDPPrediction:
+    """The prediction for the example's model on ``nodes`` x ``ranks_per_node`` ranks."""
+    model = Model()
+    psi = sum(p.numel() for p in model.parameters())
+    # R: the root unit's parameters (embedding and head), outside the blocks.
+    root = psi - sum(p.numel() for p in model.blocks.parameters())
+    assert root == root_unit_params(model) or root_unit_params(model) == 0  # unsharded here
+    state = plan(
+        model, batch_size=1, seq_len=1, world_size=ranks_per_node, strategy="fsdp2", activations=0
+    ).ranks[0]
+    payload = predict_communication(
+        "fsdp_hybrid", psi, nodes * ranks_per_node, "fp32", root_unit_params=root
+    ).payload
+    units = LAYERS + 1
+    return HSDPPrediction(
+        state=state,
+        collectives={
+            ("within node", "all_gather"): (2 * units - 1, payload["all_gather"] * FP32),
+            ("within node", "reduce_scatter"): (units, payload["reduce_scatter"] * FP32),
+            ("across nodes", "all_reduce"): (units, payload["all_reduce"] * FP32),
+        },
+    )
+
+
+def unsharded_losses(steps: int) -> list[float]:
+    """The example's training in one process on the whole batch, without any sharding."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for step in range(steps):
+            loss = loss_of(model, batch(step, 0, 1, torch.device("cpu")))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    return losses
