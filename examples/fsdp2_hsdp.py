@@ -87,13 +87,23 @@ def _bytes(value: Any) -> int:
 
 
 def train(rank: int, world_size: int, steps: int, shard_size: int) -> dict[str, Any]:
-    """Train ``steps`` steps, sharded within groups of ``shard_size``, replicated across them."""
+    """Train ``steps`` steps, sharded within groups of ``shard_size``, replicated across them.
+
+    Returns what this rank measured: where it runs, its groups, the losses, the bytes of model
+    state it holds, and its collectives of the last step, per group.
+    """
     device = rank_device()
-    # Rows of the mesh are shard groups: ranks GROUP_RANK * LOCAL_WORLD_SIZE + 0, 1, ...,
-    # the ranks torchrun starts on one node, when shard_size is the ranks per node.
-    mesh = init_device_mesh(
-        device.type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
-    )
+    replicas = world_size // shard_size
+    if replicas == 1:
+        # Plain FSDP2 over every rank. (A (1, N) mesh would not be quite that: FSDP2 still
+        # all-reduces each gradient shard over its one-rank replicate group.)
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    else:
+        # Rows of the mesh are shard groups: ranks GROUP_RANK * LOCAL_WORLD_SIZE + 0, 1, ...,
+        # the ranks torchrun starts on one node, when shard_size is the ranks per node.
+        mesh = init_device_mesh(
+            device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard")
+        )
     torch.manual_seed(0)
     model = Model().to(device)
     for block in model.blocks:
@@ -119,7 +129,9 @@ def train(rank: int, world_size: int, steps: int, shard_size: int) -> dict[str, 
         "node": int(os.environ.get("GROUP_RANK", 0)),  # torchrun's node index
         "pid": os.getpid(),
         "shard_group": dist.get_process_group_ranks(mesh.get_group("shard")),
-        "replicate_group": dist.get_process_group_ranks(mesh.get_group("replicate")),
+        "replicate_group": (
+            dist.get_process_group_ranks(mesh.get_group("replicate")) if replicas > 1 else [rank]
+        ),
         "losses": losses,
         "model_state": state.as_dict(),
         "collectives": [

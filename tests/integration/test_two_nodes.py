@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from hsdp_reference import hsdp_prediction, unsharded_losses
-from torchrun_nodes import ROOT, run_nodes
+from torchrun_nodes import ROOT, Nodes, run_nodes
 
 from fsdp_guide import launch
 
@@ -45,25 +45,28 @@ def test_plain_script_on_two_nodes_trains_as_on_one(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_nodes_hsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], dict[int, int]]:
+def two_nodes_hsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], Nodes]:
     report = tmp_path_factory.mktemp("hsdp") / "ranks.json"
     nodes = run_nodes(
         ROOT / "examples" / "fsdp2_hsdp.py", ["--steps", str(STEPS), "--json", str(report)]
     )
-    return json.loads(report.read_text()), nodes.agent_of
+    return json.loads(report.read_text()), nodes
 
 
-def test_ranks_are_laid_out_node_by_node(two_nodes_hsdp: tuple[list[Any], dict[int, int]]) -> None:
-    ranks, agent_of = two_nodes_hsdp
+def test_ranks_are_laid_out_node_by_node(two_nodes_hsdp: tuple[list[Any], Nodes]) -> None:
+    ranks, nodes = two_nodes_hsdp
+    agent_of = nodes.agent_of
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
     by_agent: dict[int, list[int]] = defaultdict(list)
     for r in ranks:
         by_agent[agent_of[r["pid"]]].append(r["rank"])
         assert r["local_rank"] == r["rank"] % 2
         assert r["node"] == r["rank"] // 2  # GROUP_RANK: the agent's place in the rendezvous
-    # Each agent started two consecutive ranks, all of one node (which agent became node 0 is
-    # the rendezvous's choice: it sorts the agents, and ignores --node-rank).
+    # Each agent started two consecutive ranks, all of one node. Which agent became node 0 is
+    # the rendezvous's choice, not --node-rank's: it sorts the agents by address, then pid.
     assert sorted(sorted(v) for v in by_agent.values()) == [[0, 1], [2, 3]]
+    first = min(nodes.agents, key=lambda a: a.process.pid).node
+    assert sorted(by_agent[first]) == [0, 1]
     for r in ranks:
         assert len({agent_of[ranks[o]["pid"]] for o in r["shard_group"]}) == 1  # one node
         assert len({agent_of[ranks[o]["pid"]] for o in r["replicate_group"]}) == 2  # both
@@ -72,7 +75,7 @@ def test_ranks_are_laid_out_node_by_node(two_nodes_hsdp: tuple[list[Any], dict[i
 
 
 def test_hsdp_on_two_nodes_trains_as_on_one_and_as_unsharded(
-    two_nodes_hsdp: tuple[list[Any], dict[int, int]],
+    two_nodes_hsdp: tuple[list[Any], Nodes],
 ) -> None:
     ranks, _ = two_nodes_hsdp
     one_node = launch(fsdp2_hsdp.train, 4, args=(STEPS, 2), start_method="fork")
@@ -83,7 +86,7 @@ def test_hsdp_on_two_nodes_trains_as_on_one_and_as_unsharded(
 
 
 def test_hsdp_bytes_per_rank_and_per_collective_match_the_prediction(
-    two_nodes_hsdp: tuple[list[Any], dict[int, int]],
+    two_nodes_hsdp: tuple[list[Any], Nodes],
 ) -> None:
     ranks, _ = two_nodes_hsdp
     predicted = hsdp_prediction(nodes=2, ranks_per_node=2)
