@@ -6,9 +6,10 @@ all four ranks (a 1-D mesh: plain FSDP2 across both nodes). Rank 0's collectives
 counted per process group, are set beside the prediction; then the same prediction for a 7B
 model on two nodes of eight GPUs says which collectives a real cluster sends over its network.
 
-The prediction for HSDP is composed from the planner's pieces (the catalog has no FSDP2 hybrid
-strategy yet): FSDP2's state over one node's ranks, and FSDP1 ``HYBRID_SHARD``'s payloads,
-which FSDP2 HSDP shares (see ``tests/helpers/hsdp_reference.py``).
+The prediction for HSDP is the planner's ``fsdp2_hybrid`` when the catalog has it, else composed
+from the planner's pieces: FSDP2's state over one node's ranks, and FSDP1 ``HYBRID_SHARD``'s
+payloads, which FSDP2 HSDP shares (see ``tests/helpers/hsdp_reference.py``); the table says
+which.
 
 Usage::
 
@@ -26,10 +27,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
-from hsdp_reference import FP32, LAYERS, Model, hsdp_prediction  # noqa: E402
+from hsdp_reference import (  # noqa: E402
+    FP32,
+    LAYERS,
+    Model,
+    hsdp_prediction,
+    predict_communication,
+)
 from torchrun_nodes import run_nodes  # noqa: E402
 
-from fsdp_guide.memory import format_bytes, plan, predict_communication  # noqa: E402
+from fsdp_guide.memory import format_bytes, plan  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "fsdp2_hsdp.py"
 PSI_7B = 6_738_415_616  # parameters of a Llama-2-7B-sized model
@@ -72,7 +79,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/hsdp_two_nodes.md")
     args = parser.parse_args()
     hsdp, fsdp = two_nodes(2), two_nodes(4)
-    expected = {"HSDP, mesh (2, 2)": hsdp_prediction(NODES, 2).collectives}
+    predicted = hsdp_prediction(NODES, 2)
+    expected = {"HSDP, mesh (2, 2)": predicted.collectives}
     expected["FSDP2 over both nodes, 1-D mesh"] = fsdp_prediction(4)
     lines = [
         "# HSDP across two nodes: bytes per collective, within and across nodes",
@@ -80,7 +88,7 @@ def main() -> None:
         "One invocation (`python benchmarks/hsdp_two_nodes.py`): two torchrun agents on one "
         "machine, two gloo ranks each, `examples/fsdp2_hsdp.py` (a 233k-parameter transformer, "
         "fp32, a unit per block). Rank 0's collectives of one training step, counted per "
-        "process group, against the prediction:",
+        f"process group, against the prediction (HSDP: {predicted.source}):",
         "",
         "| layout | group | collective | calls | bytes measured | bytes predicted |",
         "| --- | --- | --- | ---: | ---: | ---: |",

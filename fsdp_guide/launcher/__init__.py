@@ -13,8 +13,7 @@ arguments, checked before any process starts), ``_rendezvous`` (address, ports, 
 torchrun environment), ``_supervisor`` (one loop in the caller's thread: start, relay,
 collect, stop) with ``_reports`` (what each rank reported, which failure to blame),
 ``_worker`` (what runs inside a rank), ``_process_group`` (joining ``torch.distributed``:
-launched ranks, torchrun, :func:`dist_init`), ``_fresh`` (store keys of its own for each
-group under torchrun, whose store outlives restarts), ``_output`` (whole-line relay), ``magic``
+launched ranks, torchrun, :func:`dist_init`), ``_output`` (whole-line relay), ``magic``
 (the cell magic), ``_plan`` (ranks and backend for a lesson), ``_orphan`` (a rank dies
 with its launcher), ``_stacks`` (a rank's stack dump, user's frames first), ``_entry`` (a
 collective helper called on some ranks only fails within seconds).
