@@ -119,11 +119,12 @@ def main() -> None:
         f"Whole run: {total:.1f} s with both restarts, {base:.1f} s uninterrupted: "
         f"{total - base:.1f} s lost for two restarts ({(total - base) / 2:.1f} s each).",
         "",
-        "Almost all of a restart is starting the ranks again: new processes import torch, build "
-        "and shard the model and read the checkpoint, after both agents have noticed the failure "
-        "and met again. A step of this tiny model takes about a tenth of a second, so the steps "
-        "redone cost little here; on a real model each is seconds to minutes, and the interval "
-        "between saves decides how many are redone.",
+        "The agents notice a dead rank within a fraction of a second; the rest of a restart, "
+        "until the new ranks have loaded the checkpoint, is the agents meeting again and new "
+        "processes importing torch, building and sharding the model and reading the checkpoint. "
+        "A step of this tiny model takes about a tenth of a second, so the steps redone cost "
+        "little here; on a real model each is seconds to minutes, and the interval between "
+        "saves decides how many are redone.",
     ]
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)

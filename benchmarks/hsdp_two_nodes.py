@@ -108,7 +108,8 @@ def main() -> None:
         "",
         "Model state per rank: "
         + "; ".join(f"{name} {n:,} bytes" for name, n in state.items())
-        + " (HSDP keeps one copy per node, so twice FSDP's).",
+        + f" (HSDP keeps one copy per node, so twice FSDP's; predicted for HSDP: "
+        f"{predicted.state.total:,} bytes).",
         "",
         "## On a real cluster",
         "",
