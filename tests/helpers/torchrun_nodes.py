@@ -92,6 +92,7 @@ class Nodes:
         max_restarts: int = 0,
         env: dict[str, str] | None = None,
     ) -> None:
+        self.port = port
         self.started = time.monotonic()
         self.started_wall = time.time()  # to place file times on the same clock
         self.agents: list[Agent] = []
@@ -161,23 +162,32 @@ class Nodes:
     def wait(self, timeout: float, grace: float = 20.0) -> list[int]:
         """Wait for every agent to exit; their exit codes. Raises on timeout, with the output.
 
-        Once an agent has failed, the others get ``grace`` seconds to notice before they are
-        killed (an agent waiting for a rendezvous host that never came would wait minutes).
+        Once an agent has failed, the others get ``grace`` seconds to notice, then are killed
+        (an agent waiting for a rendezvous host that never came would wait minutes); at once
+        when the rendezvous port was taken.
         """
         deadline = self.started + timeout
+        failed_at: float | None = None
         while any(a.process.poll() is None for a in self.agents):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if failed_at is None and any(a.process.poll() not in (None, 0) for a in self.agents):
+                failed_at = now
+            if failed_at is not None and (now > failed_at + grace or self.port_taken()):
+                self.close()
+                return [a.process.returncode for a in self.agents]
+            if now > deadline:
                 raise AssertionError(
                     f"torchrun agents still running after {timeout:g} s:\n{self.output()}"
                 )
-            if any(a.process.poll() not in (None, 0) for a in self.agents):
-                deadline = min(deadline, time.monotonic() + grace)
-                timeout = deadline - self.started
             self.workers()
             time.sleep(0.05)
         for agent in self.agents:  # the readers finish once the pipes close
             agent.process.communicate(timeout=10)
         return [a.process.returncode for a in self.agents]
+
+    def port_taken(self) -> bool:
+        """Whether an agent failed because another process held the rendezvous port."""
+        return any(marker in self.output() for marker in _PORT_TAKEN)
 
     def wait_for(self, predicate: str | Path, timeout: float) -> float:
         """Wait until a line contains ``predicate`` (a ``str``) or a file exists (a ``Path``)."""
@@ -234,7 +244,7 @@ def run_nodes(
         with Nodes(script, args, nnodes=nnodes, nproc=nproc, port=port, env=env) as nodes:
             codes = nodes.wait(timeout)
         output = nodes.output()
-        if codes != [0] * nnodes and any(m in output for m in _PORT_TAKEN):
+        if codes != [0] * nnodes and nodes.port_taken():
             continue
         assert codes == [0] * nnodes, f"exit codes {codes}:\n{output}"
         return nodes
