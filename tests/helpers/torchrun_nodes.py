@@ -16,15 +16,18 @@ on a second store that the hosting agent binds to port 0 (torch's default), whic
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 
@@ -32,6 +35,7 @@ from fsdp_guide.launcher import find_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 _PORT_TAKEN = ("Address already in use", "EADDRINUSE")
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -129,6 +133,13 @@ class Nodes:
             self.agents.append(agent)
             self._seen[process.pid] = psutil.Process(process.pid)
             threading.Thread(target=self._read, args=(agent,), daemon=True).start()
+        # Workers can start and end while the caller is busy: look for them all the time.
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        while any(a.process.poll() is None for a in self.agents):
+            self.workers()
+            time.sleep(0.05)
 
     def _read(self, agent: Agent) -> None:
         assert agent.process.stdout is not None
@@ -152,11 +163,11 @@ class Nodes:
                 children = psutil.Process(agent.process.pid).children(recursive=True)
             except psutil.NoSuchProcess:
                 continue
-            for proc in children:
-                self.agent_of.setdefault(proc.pid, agent.node)
+            with self._lock:
+                for proc in children:
+                    self.agent_of.setdefault(proc.pid, agent.node)
+                    self._seen.setdefault(proc.pid, proc)
             found += children
-        for proc in found:
-            self._seen.setdefault(proc.pid, proc)
         return found
 
     def wait(self, timeout: float, grace: float = 20.0) -> list[int]:
@@ -205,13 +216,18 @@ class Nodes:
 
     def close(self) -> None:
         """Kill every agent and worker ever seen, and reap the agents."""
+        for agent in self.agents:  # stopped first, so that none starts a worker meanwhile
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(agent.process.pid, signal.SIGSTOP)
         self.workers()
-        for proc in self._seen.values():
+        with self._lock:
+            seen = list(self._seen.values())
+        for proc in seen:
             try:
                 proc.send_signal(signal.SIGKILL)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-        psutil.wait_procs(list(self._seen.values()), timeout=10)
+        psutil.wait_procs(seen, timeout=10)
         for agent in self.agents:
             try:
                 agent.process.communicate(timeout=10)
@@ -225,6 +241,57 @@ class Nodes:
         self.close()
 
 
+@dataclass(frozen=True)
+class Job:
+    """A script for :func:`run_together` to run on ``nnodes`` agents of ``nproc`` workers."""
+
+    script: str | Path
+    args: tuple[str, ...] = ()
+    nnodes: int = 2
+    nproc: int = 2
+
+
+def run_together(
+    jobs: Sequence[Job],
+    *,
+    during: Callable[[], _T] | None = None,
+    timeout: float = 180.0,
+    attempts: int = 3,
+) -> tuple[list[Nodes], _T | None]:
+    """Run the jobs at once, each on its own agents and port, and ``during()`` meanwhile.
+
+    Running them together overlaps their idle stretches (agents meeting, processes exiting)
+    on a machine with few cores. Each job must succeed; a job whose rendezvous port another
+    process took first runs again on a fresh one. ``during`` runs once, in this process.
+
+    Returns:
+        The finished runs, in the order of ``jobs``, and what ``during`` returned.
+    """
+    finished: dict[int, Nodes] = {}
+    result: _T | None = None
+    for _ in range(attempts):
+        with ExitStack() as stack:
+            running = {
+                i: stack.enter_context(
+                    Nodes(job.script, job.args, nnodes=job.nnodes, nproc=job.nproc,
+                          port=find_free_port())
+                )
+                for i, job in enumerate(jobs)
+                if i not in finished
+            }  # fmt: skip
+            if during is not None:
+                result, during = during(), None
+            codes = {i: nodes.wait(timeout) for i, nodes in running.items()}
+        for i, nodes in running.items():
+            if codes[i] == [0] * jobs[i].nnodes:
+                finished[i] = nodes
+            elif not nodes.port_taken():
+                raise AssertionError(f"exit codes {codes[i]}:\n{nodes.output()}")
+        if len(finished) == len(jobs):
+            return [finished[i] for i in range(len(jobs))], result
+    raise AssertionError(f"no free rendezvous port in {attempts} tries")
+
+
 def run_nodes(
     script: str | Path,
     args: Sequence[str],
@@ -232,20 +299,10 @@ def run_nodes(
     nnodes: int = 2,
     nproc: int = 2,
     timeout: float = 120.0,
-    env: dict[str, str] | None = None,
     attempts: int = 3,
 ) -> Nodes:
-    """Run ``script`` on ``nnodes`` agents to the end, checked for success; the finished run.
-
-    A rendezvous port another process took first is retried on a fresh one.
-    """
-    for _ in range(attempts):
-        port = find_free_port()
-        with Nodes(script, args, nnodes=nnodes, nproc=nproc, port=port, env=env) as nodes:
-            codes = nodes.wait(timeout)
-        output = nodes.output()
-        if codes != [0] * nnodes and nodes.port_taken():
-            continue
-        assert codes == [0] * nnodes, f"exit codes {codes}:\n{output}"
-        return nodes
-    raise AssertionError(f"no free rendezvous port in {attempts} tries:\n{output}")
+    """Run ``script`` on ``nnodes`` agents to the end, checked for success; the finished run."""
+    runs, _ = run_together(
+        [Job(script, tuple(args), nnodes, nproc)], timeout=timeout, attempts=attempts
+    )
+    return runs[0]

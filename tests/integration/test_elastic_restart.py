@@ -45,6 +45,13 @@ def test_killed_ranks_restart_and_resume_to_the_uninterrupted_losses(tmp_path: P
     with Nodes(
         FAULTS, args, nnodes=2, nproc=1, port=find_free_port(), max_restarts=3, env=env
     ) as nodes:
+        # Meanwhile, the same training without faults, forked from here.
+        uninterrupted = launch(
+            fsdp2_train_elastic.train,
+            2,
+            args=(STEPS, SAVE_EVERY, str(tmp_path / "straight")),
+            start_method="fork",
+        )[0]
         nodes.wait_for(faults / "paused", timeout=120)
         paused = int((faults / "paused").read_text())
         [victim] = [w for w in nodes.workers() if w.pid == paused]  # a rank of this job
@@ -70,12 +77,6 @@ def test_killed_ranks_restart_and_resume_to_the_uninterrupted_losses(tmp_path: P
     assert interrupted.startswith("data-") and not (ckpt / interrupted).exists()
     assert len([p for p in ckpt.iterdir() if p.name.startswith("data-")]) == 1
 
-    uninterrupted = launch(
-        fsdp2_train_elastic.train,
-        2,
-        args=(STEPS, SAVE_EVERY, str(tmp_path / "straight")),
-        start_method="fork",
-    )[0]
     assert [last[s] for s in range(1, STEPS + 1)] == [f"{x:.6f}" for x in uninterrupted]
 
     # The figures: time from each failure to the first step trained after it, steps redone.

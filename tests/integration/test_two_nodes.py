@@ -12,12 +12,12 @@ import json
 import re
 import sys
 from collections import defaultdict
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from hsdp_reference import hsdp_prediction, unsharded_losses
-from torchrun_nodes import ROOT, Nodes, run_nodes
+from torchrun_nodes import ROOT, Job, Nodes, run_together
 
 from fsdp_guide import launch
 
@@ -30,31 +30,57 @@ STEPS = 3
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_plain_script_on_two_nodes_trains_as_on_one(tmp_path: Path) -> None:
-    nodes = run_nodes(ROOT / "examples" / "fsdp2_train.py", ["--steps", str(STEPS)])
-    losses = [float(m[2]) for _, text in nodes.lines() if (m := LOSS.fullmatch(text.strip()))]
-    # torchrun ignores --node-rank with the c10d rendezvous, and says so.
-    assert "node_rank is only used for static rdzv_backend" in nodes.output()
+@dataclass(frozen=True)
+class Runs:
+    """Both examples on two nodes, and the same trainings on one node, forked from here."""
 
-    # One node, four ranks: the same training as a launch function (the elastic example,
-    # which CI checks trains like fsdp2_train.py), started here by fork.
-    one_node = launch(
-        fsdp2_train_elastic.train, 4, args=(STEPS, STEPS, str(tmp_path)), start_method="fork"
-    )
-    assert losses == [round(x, 6) for x in one_node[0]]
+    plain: Nodes
+    hsdp: Nodes
+    hsdp_ranks: list[dict[str, Any]]
+    plain_one_node: list[float]
+    hsdp_one_node: list[dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
-def two_nodes_hsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], Nodes]:
-    report = tmp_path_factory.mktemp("hsdp") / "ranks.json"
-    nodes = run_nodes(
-        ROOT / "examples" / "fsdp2_hsdp.py", ["--steps", str(STEPS), "--json", str(report)]
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    tmp = tmp_path_factory.mktemp("two_nodes")
+    report = tmp / "ranks.json"
+
+    def one_node() -> tuple[list[float], list[dict[str, Any]]]:
+        # The plain script's training as a launch function: the elastic example (same model,
+        # data, sharding and optimizer, so the same losses).
+        plain = launch(
+            fsdp2_train_elastic.train,
+            4,
+            args=(STEPS, STEPS, str(tmp / "ckpt")),
+            start_method="fork",
+        )
+        return plain[0], launch(fsdp2_hsdp.train, 4, args=(STEPS, 2), start_method="fork")
+
+    (plain, hsdp), references = run_together(
+        [
+            Job(ROOT / "examples" / "fsdp2_train.py", ("--steps", str(STEPS))),
+            Job(
+                ROOT / "examples" / "fsdp2_hsdp.py", ("--steps", str(STEPS), "--json", str(report))
+            ),
+        ],
+        during=one_node,  # while the agents start their ranks
     )
-    return json.loads(report.read_text()), nodes
+    assert references is not None
+    return Runs(plain, hsdp, json.loads(report.read_text()), *references)
 
 
-def test_ranks_are_laid_out_node_by_node(two_nodes_hsdp: tuple[list[Any], Nodes]) -> None:
-    ranks, nodes = two_nodes_hsdp
+def test_plain_script_on_two_nodes_trains_as_on_one(runs: Runs) -> None:
+    lines = runs.plain.lines()
+    losses = [float(m[2]) for _, text in lines if (m := LOSS.fullmatch(text.strip()))]
+    assert losses == [round(x, 6) for x in runs.plain_one_node]
+    assert len(losses) == STEPS
+    # torchrun ignores --node-rank with the c10d rendezvous, and says so.
+    assert "node_rank is only used for static rdzv_backend" in runs.plain.output()
+
+
+def test_ranks_are_laid_out_node_by_node(runs: Runs) -> None:
+    ranks, nodes = runs.hsdp_ranks, runs.hsdp
     agent_of = nodes.agent_of
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
     by_agent: dict[int, list[int]] = defaultdict(list)
@@ -74,21 +100,16 @@ def test_ranks_are_laid_out_node_by_node(two_nodes_hsdp: tuple[list[Any], Nodes]
         assert r["replicate_group"] == [r["rank"] % 2, r["rank"] % 2 + 2]
 
 
-def test_hsdp_on_two_nodes_trains_as_on_one_and_as_unsharded(
-    two_nodes_hsdp: tuple[list[Any], Nodes],
-) -> None:
-    ranks, _ = two_nodes_hsdp
-    one_node = launch(fsdp2_hsdp.train, 4, args=(STEPS, 2), start_method="fork")
+def test_hsdp_on_two_nodes_trains_as_on_one_and_as_unsharded(runs: Runs) -> None:
+    ranks, one_node = runs.hsdp_ranks, runs.hsdp_one_node
     assert [r["losses"] for r in ranks] == [r["losses"] for r in one_node]
     assert [r["collectives"] for r in ranks] == [r["collectives"] for r in one_node]
     # Every rank sees its share of the same global batch: the mean loss is the unsharded one.
     assert ranks[0]["losses"] == pytest.approx(unsharded_losses(STEPS), rel=1e-6, abs=1e-6)
 
 
-def test_hsdp_bytes_per_rank_and_per_collective_match_the_prediction(
-    two_nodes_hsdp: tuple[list[Any], Nodes],
-) -> None:
-    ranks, _ = two_nodes_hsdp
+def test_hsdp_bytes_per_rank_and_per_collective_match_the_prediction(runs: Runs) -> None:
+    ranks = runs.hsdp_ranks
     predicted = hsdp_prediction(nodes=2, ranks_per_node=2)
     for r in ranks:
         assert r["model_state"] == predicted.state.as_dict()
