@@ -116,20 +116,22 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
     """One line per strategy, its fullest rank, and the recommendation when a GPU size is given.
 
     The recommendation (:func:`~fsdp_guide.memory.recommend`) is the strategy that fits
-    (within ``gpu_memory`` less the margin) with the least communication per step, then the
-    least memory.
+    (within ``gpu_memory`` less the margin) on the best-maintained engine (FSDP2 before FSDP1,
+    both before FairScale), with the least communication per step, then the least memory.
 
     Examples:
         >>> from fsdp_guide.memory import plan
         >>> from fsdp_guide.models import MLP
         >>> plans = [plan(MLP(), batch_size=8, seq_len=1, world_size=2, strategy=s)
-        ...          for s in ("ddp", "fsdp")]
+        ...          for s in ("ddp", "fsdp", "fsdp2")]
         >>> print(plan_table(plans, gpu_memory=2_600_000))
         142,088 parameters on 2 ranks, fp32 precision; bytes on the fullest rank
         strategy  params   grads    optimizer  activations  transient  total    comm/step  fits
         ddp       0.57 MB  0.57 MB  1.14 MB    0.03 MB      0.57 MB    2.87 MB  0.57 MB    no
         fsdp      0.28 MB  0.28 MB  0.57 MB    0.03 MB      1.14 MB    2.30 MB  1.14 MB    yes
-        recommended: fsdp (fits 2.60 MB with 10% margin, least communication)
+        fsdp2     0.28 MB  0.28 MB  0.57 MB    0.03 MB      1.14 MB    2.30 MB  1.14 MB    yes
+        recommended: fsdp2 (fits 2.60 MB with 10% margin; maintained engines first,
+        then the least communication)
     """
     from fsdp_guide.memory._plan import recommend
     from fsdp_guide.memory._zero import format_bytes
@@ -161,8 +163,8 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
         size = format_bytes(gpu_memory).replace(".00", "")
         if best is not None:
             out.append(
-                f"recommended: {best.strategy} (fits {size} with {margin:.0%} margin, "
-                "least communication)"
+                f"recommended: {best.strategy} (fits {size} with {margin:.0%} margin; "
+                "maintained engines first, then the least communication)"
             )
         else:
             out.append(f"recommended: none fits {size} with {margin:.0%} margin; add GPUs")
