@@ -20,9 +20,9 @@ it with its own model and optimizer):
 
 A failure on any rank raises the same :class:`CheckpointError` on every rank, so no rank is
 left waiting and nothing is loaded halfway. Every file is checked against a SHA-256, and a
-failed or killed save leaves nothing the next save does not remove. The two formats, what loads where, and how files are written and read safely:
-:doc:`/guide/checkpoints`. PyTorch FSDP shards are written
-with `torch.distributed.checkpoint
+failed or killed save leaves nothing the next save does not remove. The two formats, what
+loads where, and how files are written and read safely: :doc:`/guide/checkpoints`. PyTorch
+FSDP shards are written with `torch.distributed.checkpoint
 <https://docs.pytorch.org/docs/stable/distributed.checkpoint.html>`__ (DCP), DeepSpeed's
 with its own `checkpointing <https://deepspeed.readthedocs.io/en/latest/model-checkpointing.html>`__.
 """
