@@ -27,6 +27,7 @@ from fsdp_guide.launcher._checks import (
     resolve_backend,
     resolve_start_method,
 )
+from fsdp_guide.launcher._main_guard import check_main_guard
 from fsdp_guide.launcher._process_group import run_under_torchrun
 from fsdp_guide.launcher._rendezvous import MASTER_ADDR, master_port, under_torchrun
 
@@ -118,6 +119,7 @@ def launch(
     if method == "fork":
         check_fork_is_safe()
     else:
+        check_main_guard()
         check_picklable(fn, args, kwargs)
 
     import torch.distributed as dist
@@ -134,7 +136,7 @@ def launch(
         ctx, fn, world_size, args, kwargs, chosen_backend, MASTER_ADDR, port, timeout
     )
     try:
-        return _supervisor.supervise(ranks, timeout)
+        return _supervisor.supervise(ranks, timeout, watch_collectives=chosen_backend == "gloo")
     except LaunchError as err:
         # The supervisor's and selectors' frames say nothing about the failure; the rank's
         # own traceback is in the message.

@@ -31,17 +31,22 @@ _PR_SET_PDEATHSIG = 1
 _WATCHDOG_PERIOD_S = 0.2
 
 
-def _set_pdeathsig(sig: int) -> bool:
-    """Ask Linux to send ``sig`` to this process when its parent thread dies."""
+def prctl(option: int, value: int) -> bool:
+    """Call Linux's ``prctl(option, value)``; ``False`` off Linux or when refused."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         # The interpreter's own symbols include libc's: no ctypes.util.find_library, which
         # runs ldconfig in a subprocess (slow, and a fork from a freshly forked rank).
         libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0)
+        return bool(libc.prctl(option, value, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
+
+
+def _set_pdeathsig(sig: int) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent thread dies."""
+    return prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def _kill_own_group() -> None:

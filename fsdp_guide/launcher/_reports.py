@@ -19,8 +19,13 @@ from typing import Any
 from fsdp_guide.errors import RankError
 from fsdp_guide.launcher._output import _Stream
 
-# How long to wait for the rank behind a peer's "connection reset" before stopping everyone.
+# What a rank sends, followed by its pid, once its stack dumps are set up.
+READY = b"ready "
+# How long to wait for the rank behind a peer's "connection reset" before stopping everyone,
+# and, once a rank is known to have died (its result pipe closed without a report), for its
+# guard to pass on how it died (longer: only a loaded machine makes this wait).
 _CAUSE_WAIT_S = 0.5
+_DYING_WAIT_S = 5.0
 
 
 @dataclass
@@ -30,14 +35,31 @@ class Rank:
     rank: int
     process: BaseProcess
     result: Connection
+    probe: Connection  # the rank's stack dumps for the launcher alone (``_hangs.py``)
     streams: list[_Stream] = field(default_factory=list)
+    pid: int | None = None  # the rank's own pid, once it is ready (below its guard)
+    hung_up: bool = False  # its result pipe closed without a report: it died
     done: bool = False
     value: Any = None
     failure: RankError | None = None
     failed_at: float = 0.0
 
 
-def exit_failure(rank: int, exitcode: int | None) -> RankError:
+def exit_failure(rank: int, exitcode: int | None, spawned_unready: bool = False) -> RankError:
+    """How a rank that sent no report ended, from its exit status.
+
+    ``spawned_unready``: a spawned rank that never got as far as running: it failed while
+    re-importing the main module, which prints its own error.
+    """
+    if spawned_unready and exitcode is not None and exitcode > 0:
+        return RankError(
+            f"rank {rank} exited with status {exitcode} before it started: a spawned rank "
+            "first imports the script that called launch, and that import failed (its error "
+            "is printed above). If the script calls launch at its top level, put that call "
+            'under `if __name__ == "__main__":` so that the import does not run it again.',
+            rank=rank,
+            exitcode=exitcode,
+        )
     if exitcode is not None and exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
@@ -51,11 +73,16 @@ def exit_failure(rank: int, exitcode: int | None) -> RankError:
     )
 
 
-def read_result(r: Rank) -> None:
+def read_result(r: Rank) -> bool:
+    """Read one message of the rank; ``True`` once no other will come."""
     try:
         data = r.result.recv_bytes()
     except (EOFError, OSError):
-        return  # died before reporting; the exit status tells why
+        r.hung_up = True
+        return True  # died before reporting; the exit status tells why
+    if data.startswith(READY):  # not a pickle, which starts with b"\x80"
+        r.pid = int(data[len(READY) :])
+        return False
     r.done = True
     try:
         message = pickle.loads(data)
@@ -68,7 +95,7 @@ def read_result(r: Rank) -> None:
             rank=r.rank,
         )
         r.failed_at = time.time()
-        return
+        return True
     if message[0] == "ok":
         r.value = message[1]
     elif message[0] == "exit":
@@ -91,15 +118,22 @@ def read_result(r: Rank) -> None:
             remote_traceback=text,
         )
         r.failed_at = failed_at
+    return True
+
+
+def read_pending(r: Rank) -> None:
+    """Read what the rank already sent, up to its final message, without waiting."""
+    while not r.done and r.result.poll() and not read_result(r):
+        pass
 
 
 def on_exit(r: Rank) -> None:
     """Record how an exited rank ended: its report if it sent one, else its exit status."""
-    if not r.done and r.result.poll():
-        read_result(r)
+    read_pending(r)
     if r.failure is None and (not r.done or r.process.exitcode != 0):
         r.done = True
-        r.failure = exit_failure(r.rank, r.process.exitcode)
+        spawned_unready = r.pid is None and type(r.process).__name__ == "SpawnProcess"
+        r.failure = exit_failure(r.rank, r.process.exitcode, spawned_unready)
         r.failed_at = time.time()
 
 
@@ -110,13 +144,20 @@ def wait_for_the_cause(ranks: list[Rank]) -> None:
     a peer's "connection reset" report can arrive before the death is noticed. When every
     failure so far is such a report, wait briefly for the rank that caused it.
     """
-    deadline = time.monotonic() + _CAUSE_WAIT_S
+    start = time.monotonic()
     while True:
         for r in ranks:
-            if r.failure is None and r.process.exitcode is not None:
+            if r.failure is not None:
+                continue
+            if r.process.exitcode is not None:
                 on_exit(r)
+            elif not r.done:
+                read_pending(r)  # notices a rank that died (``hung_up``)
         failures = [r.failure for r in ranks if r.failure is not None]
-        if not all(lost_a_peer(f) for f in failures) or time.monotonic() >= deadline:
+        if not all(lost_a_peer(f) for f in failures):
+            return
+        dying = any(r.hung_up and r.failure is None for r in ranks)
+        if time.monotonic() - start >= (_DYING_WAIT_S if dying else _CAUSE_WAIT_S):
             return
         time.sleep(0.02)
 

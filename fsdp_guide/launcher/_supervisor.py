@@ -23,11 +23,13 @@ from typing import Any
 
 from fsdp_guide.errors import LaunchTimeout
 from fsdp_guide.launcher import _worker
+from fsdp_guide.launcher._hangs import HangWatch
 from fsdp_guide.launcher._output import _emit, _Stream
 from fsdp_guide.launcher._rendezvous import FD_LOCK
 from fsdp_guide.launcher._reports import (
     Rank,
     on_exit,
+    read_pending,
     read_result,
     root_cause,
     wait_for_the_cause,
@@ -57,9 +59,17 @@ def _kill_group(process: BaseProcess, sig: int) -> None:
 
 
 def stop_all(ranks: list[Rank]) -> None:
-    """Terminate every rank and its children; escalate to SIGKILL after a short grace."""
+    """Terminate every rank and its children; escalate to SIGKILL after a short grace.
+
+    A rank below a guard (its pid is not the process's) is stopped through the guard,
+    which passes SIGTERM on once and kills whatever is left after its own, shorter grace.
+    """
     for r in ranks:
-        _kill_group(r.process, signal.SIGTERM)
+        if r.pid is not None and r.pid != r.process.pid and r.process.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(r.process.pid or 0, signal.SIGTERM)
+        else:
+            _kill_group(r.process, signal.SIGTERM)
     try:
         deadline = time.monotonic() + _TERMINATE_GRACE_S
         for r in ranks:
@@ -95,10 +105,11 @@ def _listen(address: str) -> socket.socket:
 
 def _dump_stacks(ranks: list[Rank], grace_s: float = 1.0) -> None:
     """Ask ranks still running to print their Python stacks (faulthandler on SIGUSR1)."""
-    running = [r for r in ranks if r.process.exitcode is None and r.process.pid is not None]
+    # Only ranks that are ready have a SIGUSR1 handler; the signal would kill the others.
+    running = [r for r in ranks if r.process.exitcode is None and r.pid is not None]
     for r in running:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(r.process.pid, signal.SIGUSR1)  # type: ignore[arg-type]
+            os.kill(r.pid, signal.SIGUSR1)  # type: ignore[arg-type]
     if running:
         time.sleep(grace_s)  # let the dumps reach the pipes; _drain prints them
 
@@ -140,6 +151,7 @@ def start_ranks(
                 out_r, out_w = ctx.Pipe(duplex=False)
                 err_r, err_w = ctx.Pipe(duplex=False)
                 res_r, res_w = ctx.Pipe(duplex=False)
+                probe_r, probe_w = ctx.Pipe(duplex=False)
                 process = ctx.Process(  # type: ignore[attr-defined]
                     target=_worker.run_rank,
                     args=(
@@ -152,9 +164,7 @@ def start_ranks(
                         master_addr,
                         master_port,
                         pg_timeout_s,
-                        out_w,
-                        err_w,
-                        res_w,
+                        (out_w, err_w, res_w, probe_w),
                         forked,
                         listener,
                         os.getpid(),
@@ -165,11 +175,11 @@ def start_ranks(
                 process.start()
                 # Close our copies of the write ends so EOF arrives when the rank exits, and so
                 # ranks forked later do not inherit (and hold open) this rank's pipes.
-                for w in (out_w, err_w, res_w):
+                for w in (out_w, err_w, res_w, probe_w):
                     w.close()
                 if listener is not None:
                     listener.close()  # rank 0 has its own copy now
-            r = Rank(rank=rank, process=process, result=res_r)
+            r = Rank(rank=rank, process=process, result=res_r, probe=probe_r)
             r.streams = [
                 _Stream(rank, out_r, sys.stdout),
                 _Stream(rank, err_r, sys.stderr, stacks=StackFilter()),
@@ -177,12 +187,18 @@ def start_ranks(
             ranks.append(r)
     except BaseException:
         stop_all(ranks)
+        close_all(ranks)
         raise
     return ranks
 
 
-def supervise(ranks: list[Rank], timeout: float) -> list[Any]:
-    """Relay output until every rank has reported; raise on the first failure or at timeout."""
+def supervise(ranks: list[Rank], timeout: float, watch_collectives: bool = False) -> list[Any]:
+    """Relay output until every rank has reported; raise on the first failure or at timeout.
+
+    With ``watch_collectives`` (gloo ranks), ranks that wait in different collectives
+    while none makes progress are stopped within seconds (``_hangs.py``).
+    """
+    watch = HangWatch(watch_collectives)
     selector = selectors.DefaultSelector()
     for r in ranks:
         for s in r.streams:
@@ -220,8 +236,8 @@ def supervise(ranks: list[Rank], timeout: float) -> list[Any]:
                         _emit(s, b"", final=True)
                         selector.unregister(key.fd)
                 elif kind == "result":
-                    selector.unregister(key.fd)
-                    read_result(r)
+                    if read_result(r):
+                        selector.unregister(key.fd)
                 else:
                     selector.unregister(key.fd)
                     r.process.join()
@@ -231,6 +247,10 @@ def supervise(ranks: list[Rank], timeout: float) -> list[Any]:
                 stop_all(ranks)
                 _drain(ranks)
                 raise root_cause(ranks)
+            mismatch = watch.check(ranks)
+            if mismatch is not None:
+                _print_stacks(ranks, watch.dumps)
+                raise mismatch
         # Every rank has reported: stop what is still running in their process groups
         # (processes a rank started and left behind), then print what is left in the pipes.
         stop_all(ranks)
@@ -241,11 +261,29 @@ def supervise(ranks: list[Rank], timeout: float) -> list[Any]:
         raise
     finally:
         selector.close()
-        for r in ranks:
-            r.result.close()
-            for s in r.streams:
-                s.conn.close()
+        close_all(ranks)
     return [r.value for r in ranks]
+
+
+def close_all(ranks: list[Rank]) -> None:
+    """Close every pipe of the ranks and the processes' own descriptors, now.
+
+    Left to the garbage collector, a failed launch (whose traceback keeps these objects
+    alive) would hold about six descriptors per rank until the next collection.
+    """
+    for r in ranks:
+        for conn in (r.result, r.probe, *(s.conn for s in r.streams)):
+            conn.close()
+        with contextlib.suppress(ValueError):  # still running: close() refuses
+            r.process.close()
+
+
+def _print_stacks(ranks: list[Rank], dumps: dict[int, str]) -> None:
+    """Print the stacks the hang watch read, rewritten like those printed at timeout."""
+    for r in ranks:
+        if dumps.get(r.rank):
+            stream = _Stream(r.rank, r.probe, sys.stderr, stacks=StackFilter())
+            _emit(stream, dumps[r.rank].encode(), final=True)
 
 
 def _report_lingering(ranks: list[Rank]) -> None:
@@ -282,11 +320,8 @@ def _drain(ranks: list[Rank]) -> None:
     """Print what stopped ranks wrote before dying, and pick up error reports already sent."""
     for r in ranks:
         if not r.done:
-            try:
-                if r.result.poll():
-                    read_result(r)
-            except (OSError, EOFError, ValueError):
-                pass
+            with contextlib.suppress(OSError, EOFError, ValueError):
+                read_pending(r)
         for s in r.streams:
             try:
                 while s.conn.poll():
