@@ -13,8 +13,9 @@ handed to the guard when its own parent dies, never to ``init``. The guard sleep
 of three events, then kills every process below it and exits:
 
 - the rank exits (returned, raised, was killed): what it left running gets ``SIGTERM`` and
-  a short grace, then ``SIGKILL``; the guard exits with the rank's own status, so the
-  launcher sees what it would have seen without a guard;
+  a short grace, then ``SIGKILL``; the guard then sends the rank's exit code on the
+  rank's result pipe (so that the launcher need not wait for the guard's own exit) and
+  exits with the rank's status;
 - ``SIGTERM`` (the launcher stopping the ranks): the rank and everything below get it, and
   a short grace, then ``SIGKILL``;
 - the launcher dies (the guard's parent-death signal, ``SIGHUP``): ``SIGKILL`` at once.
@@ -31,9 +32,11 @@ import contextlib
 import os
 import signal
 import time
+from multiprocessing.connection import Connection
 from typing import NoReturn
 
 from fsdp_guide.launcher._orphan import prctl
+from fsdp_guide.launcher._reports import EXITED
 
 __all__: list[str] = []
 
@@ -153,7 +156,7 @@ def _exit_like(status: int) -> NoReturn:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def _guard(rank_pid: int, launcher_pid: int) -> NoReturn:
+def _guard(rank_pid: int, launcher_pid: int, report: Connection) -> NoReturn:
     try:
         for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)
@@ -161,12 +164,15 @@ def _guard(rank_pid: int, launcher_pid: int) -> NoReturn:
         prctl(_PR_SET_PDEATHSIG, signal.SIGHUP)
         status, asked = _wait(rank_pid, launcher_pid)
         _end_everything_below(status, asked)
+        with contextlib.suppress(OSError):  # the launcher is gone
+            report.send_bytes(EXITED + str(os.waitstatus_to_exitcode(status)).encode())
+            report.close()
         _exit_like(status)
     finally:
         os._exit(1)
 
 
-def split_off_guard(launcher_pid: int, close_in_guard: list[int]) -> int | None:
+def split_off_guard(launcher_pid: int, close_in_guard: list[int], report: Connection) -> int | None:
     """Fork a rank below a guard: return the guard's pid in the rank; the guard never returns.
 
     Off Linux, or where ``prctl`` is refused, nothing is forked and ``None`` is returned:
@@ -175,8 +181,9 @@ def split_off_guard(launcher_pid: int, close_in_guard: list[int]) -> int | None:
 
     Args:
         launcher_pid: The launching process; the guard kills everything when it dies.
-        close_in_guard: Descriptors the guard must not hold (the rank's pipes), so that
-            their readers see end-of-file when the rank exits.
+        close_in_guard: Descriptors the guard must not hold (the rank's output pipes), so
+            that their readers see end-of-file when the rank exits.
+        report: The rank's result pipe, on which the guard sends the rank's exit code.
     """
     if not prctl(_PR_SET_CHILD_SUBREAPER, 1):
         return None
@@ -190,4 +197,4 @@ def split_off_guard(launcher_pid: int, close_in_guard: list[int]) -> int | None:
     for fd in close_in_guard:
         with contextlib.suppress(OSError):
             os.close(fd)
-    _guard(rank_pid, launcher_pid)
+    _guard(rank_pid, launcher_pid, report)

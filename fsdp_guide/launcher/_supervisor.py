@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from multiprocessing.context import BaseContext
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 from fsdp_guide.errors import LaunchTimeout
@@ -28,6 +27,7 @@ from fsdp_guide.launcher._output import _emit, _Stream
 from fsdp_guide.launcher._rendezvous import FD_LOCK
 from fsdp_guide.launcher._reports import (
     Rank,
+    exit_code,
     on_exit,
     read_pending,
     read_result,
@@ -35,63 +35,15 @@ from fsdp_guide.launcher._reports import (
     wait_for_the_cause,
 )
 from fsdp_guide.launcher._stacks import StackFilter
+from fsdp_guide.launcher._stop import TERMINATE_GRACE_S, close_all, stop_all
 
 __all__: list[str] = []
 
-_TERMINATE_GRACE_S = 2.0
 # How the timeout's message names the option that raises it; the magic names its own.
 TIMEOUT_OPTION = "`timeout=`"
 # How long ranks may linger after every one has sent its result (a non-daemon thread or a
 # child process keeps a rank alive) before they are stopped and the results returned.
 _EXIT_GRACE_S = 3.0
-
-
-def _kill_group(process: BaseProcess, sig: int) -> None:
-    pid = process.pid
-    if pid is None or process.exitcode is not None:
-        return
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        # The rank has not become a group leader yet (or already left): signal it alone.
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def stop_all(ranks: list[Rank]) -> None:
-    """Terminate every rank and its children; escalate to SIGKILL after a short grace.
-
-    A rank below a guard (its pid is not the process's) is stopped through the guard,
-    which passes SIGTERM on once and kills whatever is left after its own, shorter grace.
-    """
-    for r in ranks:
-        if r.pid is not None and r.pid != r.process.pid and r.process.exitcode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(r.process.pid or 0, signal.SIGTERM)
-        else:
-            _kill_group(r.process, signal.SIGTERM)
-    try:
-        deadline = time.monotonic() + _TERMINATE_GRACE_S
-        for r in ranks:
-            r.process.join(max(0.0, deadline - time.monotonic()))
-    except KeyboardInterrupt:
-        # A second interrupt (the stop button pressed twice) must not leave ranks running.
-        _kill_all(ranks)
-        raise
-    _kill_all(ranks)
-
-
-def _kill_all(ranks: list[Rank]) -> None:
-    """SIGKILL every rank's process group, then wait for the ranks themselves."""
-    for r in ranks:
-        if r.process.exitcode is None:
-            _kill_group(r.process, signal.SIGKILL)
-        else:
-            # The leader is gone; make sure nothing it started survives.
-            with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
-                os.killpg(r.process.pid or 0, signal.SIGKILL)
-    for r in ranks:
-        r.process.join(5.0)
 
 
 def _listen(address: str) -> socket.socket:
@@ -106,7 +58,7 @@ def _listen(address: str) -> socket.socket:
 def _dump_stacks(ranks: list[Rank], grace_s: float = 1.0) -> None:
     """Ask ranks still running to print their Python stacks (faulthandler on SIGUSR1)."""
     # Only ranks that are ready have a SIGUSR1 handler; the signal would kill the others.
-    running = [r for r in ranks if r.process.exitcode is None and r.pid is not None]
+    running = [r for r in ranks if exit_code(r) is None and r.pid is not None]
     for r in running:
         with contextlib.suppress(ProcessLookupError):
             os.kill(r.pid, signal.SIGUSR1)  # type: ignore[arg-type]
@@ -208,7 +160,7 @@ def supervise(ranks: list[Rank], timeout: float, watch_collectives: bool = False
     deadline = time.monotonic() + timeout
     all_reported_at: float | None = None
     try:
-        while not all(r.done and r.process.exitcode is not None for r in ranks):
+        while not all(r.done and exit_code(r) is not None for r in ranks):
             if all(r.done and r.failure is None for r in ranks):
                 all_reported_at = all_reported_at or time.monotonic()
                 if time.monotonic() - all_reported_at > _EXIT_GRACE_S:
@@ -216,7 +168,7 @@ def supervise(ranks: list[Rank], timeout: float, watch_collectives: bool = False
                     break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                running = [r.rank for r in ranks if r.process.exitcode is None or not r.done]
+                running = [r.rank for r in ranks if exit_code(r) is None or not r.done]
                 _dump_stacks(ranks)
                 raise LaunchTimeout(
                     f"ranks {running} still running after {timeout:g} s; all ranks were "
@@ -238,6 +190,8 @@ def supervise(ranks: list[Rank], timeout: float, watch_collectives: bool = False
                 elif kind == "result":
                     if read_result(r):
                         selector.unregister(key.fd)
+                    if exit_code(r) is not None:
+                        on_exit(r)  # its guard's report
                 else:
                     selector.unregister(key.fd)
                     r.process.join()
@@ -254,28 +208,16 @@ def supervise(ranks: list[Rank], timeout: float, watch_collectives: bool = False
         # Every rank has reported: stop what is still running in their process groups
         # (processes a rank started and left behind), then print what is left in the pipes.
         stop_all(ranks)
-        _read_streams_to_eof(selector, time.monotonic() + _TERMINATE_GRACE_S)
+        _read_streams_to_eof(selector, time.monotonic() + TERMINATE_GRACE_S)
     except BaseException:
         stop_all(ranks)
         _drain(ranks)
-        raise
-    finally:
         selector.close()
-        close_all(ranks)
+        close_all(ranks, wait_s=TERMINATE_GRACE_S)  # guards still exiting
+        raise
+    selector.close()
+    close_all(ranks)  # a guard still exiting is not waited for: it has nothing left to do
     return [r.value for r in ranks]
-
-
-def close_all(ranks: list[Rank]) -> None:
-    """Close every pipe of the ranks and the processes' own descriptors, now.
-
-    Left to the garbage collector, a failed launch (whose traceback keeps these objects
-    alive) would hold about six descriptors per rank until the next collection.
-    """
-    for r in ranks:
-        for conn in (r.result, r.probe, *(s.conn for s in r.streams)):
-            conn.close()
-        with contextlib.suppress(ValueError):  # still running: close() refuses
-            r.process.close()
 
 
 def _print_stacks(ranks: list[Rank], dumps: dict[int, str]) -> None:
@@ -287,7 +229,7 @@ def _print_stacks(ranks: list[Rank], dumps: dict[int, str]) -> None:
 
 
 def _report_lingering(ranks: list[Rank]) -> None:
-    lingering = [r.rank for r in ranks if r.process.exitcode is None]
+    lingering = [r.rank for r in ranks if exit_code(r) is None]
     print(
         f"fsdp_guide.launch: ranks {lingering} sent their results but were still running "
         f"{_EXIT_GRACE_S:g} s later (a non-daemon thread or a child process not joined?); "

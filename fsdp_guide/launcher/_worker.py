@@ -151,8 +151,10 @@ def run_rank(
         # A forked rank holds copies of the launcher's sockets (a kernel's five ports): let
         # them go, so they are free the moment the launcher dies. Spawned ranks inherit none.
         release_inherited_sockets({listener.fileno()} if listener is not None else set())
-    ours = [c.fileno() for c in pipes] + ([listener.fileno()] if listener is not None else [])
-    guard_pid = split_off_guard(launcher_pid, ours)
+    ours = [stdout_w.fileno(), stderr_w.fileno(), probe_w.fileno()]
+    guard_pid = split_off_guard(
+        launcher_pid, [*ours, *([listener.fileno()] if listener is not None else [])], result_w
+    )
     die_with_parent(guard_pid if guard_pid is not None else launcher_pid)
     sys.stdout = _redirect_stream(1, stdout_w)
     sys.stderr = _redirect_stream(2, stderr_w)

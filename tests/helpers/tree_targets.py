@@ -23,7 +23,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 _IGNORE_TERM = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(300)"
@@ -82,12 +81,11 @@ def start_helpers(directory: str, rank: int) -> dict[str, int]:
 
 
 def helpers_then_block(rank: int, world_size: int, directory: str) -> int:
-    """Start helpers, then block for good: rank 0 in a barrier, the others in recv."""
+    """Start helpers, then block: rank 0 in a barrier, the others asleep (not a mismatch)."""
     start_helpers(directory, rank)
     if rank == 0:
         dist.barrier()
-    else:
-        dist.recv(torch.zeros(1), src=0)
+    time.sleep(300)
     return rank
 
 
@@ -105,5 +103,5 @@ def helpers_then_die(rank: int, world_size: int, directory: str, how: str) -> in
         if how == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError("rank 1 fails on purpose")
-    dist.recv(torch.zeros(1), src=1)
+    time.sleep(300)  # rank 0 waits here until launch stops it
     return rank
