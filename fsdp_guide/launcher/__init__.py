@@ -12,16 +12,25 @@ Layers, from the caller down: ``_launch`` (:func:`launch` itself), ``_checks`` (
 arguments, checked before any process starts), ``_rendezvous`` (address, ports, the
 torchrun environment), ``_supervisor`` (one loop in the caller's thread: start, relay,
 collect, stop) with ``_reports`` (what each rank reported, which failure to blame),
-``_worker`` (what runs inside a rank), ``_process_group`` (joining ``torch.distributed``:
-launched ranks, torchrun, :func:`dist_init`), ``_output`` (whole-line relay), ``magic``
-(the cell magic), ``_plan`` (ranks and backend for a lesson), ``_orphan`` (a rank dies
-with its launcher), ``_stacks`` (a rank's stack dump, user's frames first), ``_entry`` (a
-collective helper called on some ranks only fails within seconds).
+``_stop`` (stopping ranks and closing their descriptors) and ``_hangs`` (ranks stuck in
+different collectives), ``_worker`` (what runs inside a rank), ``_guard`` (the process above
+each rank that kills whatever the rank started), ``_process_group`` (joining
+``torch.distributed``: launched ranks, torchrun, :func:`dist_init`), ``_output``
+(whole-line relay), ``magic`` (the cell magic), ``_plan`` (ranks and backend for a lesson),
+``_orphan`` (a rank dies with its launcher), ``_stacks`` (a rank's stack dump, user's
+frames first), ``_entry`` (a collective helper called on some ranks only fails within
+seconds), ``_main_guard`` (spawn from an unguarded script is refused).
 """
 
 from __future__ import annotations
 
-from fsdp_guide.errors import CollectiveCallError, LaunchError, LaunchTimeout, RankError
+from fsdp_guide.errors import (
+    CollectiveCallError,
+    CollectiveMismatchError,
+    LaunchError,
+    LaunchTimeout,
+    RankError,
+)
 from fsdp_guide.launcher._checks import in_interactive_session, resolve_backend
 from fsdp_guide.launcher._launch import launch
 from fsdp_guide.launcher._plan import RankPlan, plan_ranks
@@ -30,6 +39,7 @@ from fsdp_guide.launcher._rendezvous import find_free_port
 
 __all__ = [
     "CollectiveCallError",
+    "CollectiveMismatchError",
     "LaunchError",
     "LaunchTimeout",
     "RankError",

@@ -73,8 +73,12 @@ def descendants(pid: int) -> list[int]:
     """Every descendant of ``pid`` (zombies included), parents before their children.
 
     Examples:
-        >>> descendants(os.getpid())  # a process that started nothing
-        []
+        >>> import subprocess
+        >>> child = subprocess.Popen(["sleep", "30"])
+        >>> child.pid in descendants(os.getpid())
+        True
+        >>> child.kill(); child.wait()
+        -9
     """
     children = _children_map()
     found: list[int] = []
