@@ -36,7 +36,7 @@ from multiprocessing.connection import Connection
 from typing import NoReturn
 
 from fsdp_guide.launcher._orphan import prctl
-from fsdp_guide.launcher._reports import EXITED
+from fsdp_guide.launcher._reports import EXITED, PROBE_SIGNAL
 
 __all__: list[str] = []
 
@@ -48,6 +48,8 @@ _TERM_GRACE_S = 1.0
 _LEFTOVER_GRACE_S = 0.5
 _KILL_DEADLINE_S = 5.0
 _WAKE = frozenset({signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP})
+# Also blocked in the guard: an interrupt, and the stack-dump signals meant for the rank.
+_BLOCKED = _WAKE | {signal.SIGINT, signal.SIGUSR1, PROBE_SIGNAL}
 _KILLED = signal.SIGKILL  # a wait status of a process killed by SIGKILL is the signal number
 _TERMINATED = signal.SIGTERM
 
@@ -162,10 +164,6 @@ def _exit_like(status: int) -> NoReturn:
 
 def _guard(rank_pid: int, launcher_pid: int, report: Connection) -> NoReturn:
     try:
-        for sig in (signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, signal.SIG_IGN)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        prctl(_PR_SET_PDEATHSIG, signal.SIGHUP)
         status, asked = _wait(rank_pid, launcher_pid)
         _end_everything_below(status, asked)
         with contextlib.suppress(OSError):  # the launcher is gone
@@ -180,8 +178,8 @@ def split_off_guard(launcher_pid: int, close_in_guard: list[int], report: Connec
     """Fork a rank below a guard: return the guard's pid in the rank; the guard never returns.
 
     Off Linux, or where ``prctl`` is refused, nothing is forked and ``None`` is returned:
-    the rank then guards itself as well as it can (``_orphan.die_with_parent`` and its
-    process group).
+    the rank then guards itself as well as it can (``_orphan.die_with_parent``) and its
+    process group.
 
     Args:
         launcher_pid: The launching process; the guard kills everything when it dies.
@@ -191,9 +189,12 @@ def split_off_guard(launcher_pid: int, close_in_guard: list[int], report: Connec
     """
     if not prctl(_PR_SET_CHILD_SUBREAPER, 1):
         return None
+    # Set up before the fork, so that the guard can go to sleep at once and leave the CPU
+    # to the rank: the parent-death signal is not inherited, and the signals the guard
+    # waits for (or ignores) stay blocked in it, never handled; the rank unblocks them.
+    prctl(_PR_SET_PDEATHSIG, signal.SIGHUP)
     guard_pid = os.getpid()
-    # Blocked across the fork: the guard takes them with sigtimedwait, never by handler.
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _WAKE)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
     rank_pid = os.fork()
     if rank_pid == 0:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -7,8 +7,8 @@ things it can see without the ranks' help:
 
 - **no rank makes progress**: a rank blocked in a collective uses no CPU, so when no rank
   used more than a sliver of CPU for :data:`QUIET_S`, every rank is waiting on something;
-- **what they wait in**: ``SIGUSR2`` makes a rank write every thread's stack to a pipe that
-  only the launcher reads (faulthandler, which works while a rank is inside C++). A rank
+- **what they wait in**: a real-time signal makes a rank write every thread's stack to a
+  pipe that only the launcher reads (faulthandler, which works while a rank is inside C++). A rank
   whose innermost frame is a ``torch.distributed`` collective waits in that collective,
   called from the first frame of the user's code below it.
 
@@ -25,12 +25,11 @@ from __future__ import annotations
 import os
 import re
 import selectors
-import signal
 import time
 from dataclasses import dataclass
 
 from fsdp_guide.errors import CollectiveMismatchError
-from fsdp_guide.launcher._reports import Rank
+from fsdp_guide.launcher._reports import PROBE_SIGNAL, Rank
 from fsdp_guide.launcher._stacks import is_user_frame
 
 __all__: list[str] = []
@@ -121,7 +120,7 @@ def probe(ranks: list[Rank]) -> dict[int, str]:
             os.read(key.fd, 1 << 20)
         for r in ranks:
             if r.pid is not None:
-                os.kill(r.pid, signal.SIGUSR2)
+                os.kill(r.pid, PROBE_SIGNAL)
         deadline = time.monotonic() + _PROBE_WAIT_S
         # A dump is written at once, in the signal handler: once every rank has written,
         # a short silence means it is complete.

@@ -33,7 +33,7 @@ from typing import Any
 from fsdp_guide.launcher._guard import split_off_guard
 from fsdp_guide.launcher._orphan import die_with_parent, release_inherited_sockets
 from fsdp_guide.launcher._process_group import init_launched_rank
-from fsdp_guide.launcher._reports import READY
+from fsdp_guide.launcher._reports import PROBE_SIGNAL, READY
 
 __all__: list[str] = []
 
@@ -162,9 +162,9 @@ def run_rank(
     # this rank is stuck (usually a collective that another rank never entered).
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a crash shows its stack
-    # SIGUSR2 writes the stacks to the launcher alone, which reads them to tell ranks
+    # PROBE_SIGNAL writes the stacks to the launcher alone, which reads them to tell ranks
     # stuck in different collectives (``_hangs.py``) without printing anything.
-    faulthandler.register(signal.SIGUSR2, file=_keep_fd(probe_w), all_threads=True)
+    faulthandler.register(PROBE_SIGNAL, file=_keep_fd(probe_w), all_threads=True)
     result_w.send_bytes(READY + str(os.getpid()).encode())
 
     os.environ.update(
