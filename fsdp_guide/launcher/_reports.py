@@ -27,7 +27,7 @@ READY = b"ready "
 EXITED = b"exited "
 # The signal that makes a rank write its stacks to the launcher alone (``_hangs.py``): a
 # real-time one, which libraries and training scripts leave alone, unlike SIGUSR1/SIGUSR2.
-PROBE_SIGNAL = signal.SIGRTMIN + 6
+PROBE_SIGNAL = signal.SIGRTMAX - 3
 # How long to wait for the rank behind a peer's "connection reset" before stopping everyone,
 # and, once a rank is known to have died (its result pipe closed without a report), for its
 # guard to pass on how it died (longer: only a loaded machine makes this wait).

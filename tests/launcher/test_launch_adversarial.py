@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from fsdp_guide import LaunchTimeout, RankError, launch
-from fsdp_guide.launcher import _output, _reports, _supervisor
+from fsdp_guide.launcher import _output, _reports, _stop, _supervisor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -206,7 +206,7 @@ def test_a_rank_ignoring_sigterm_is_killed_at_timeout() -> None:
             timeout=1.0,
         )
     # timeout + the SIGTERM grace, then SIGKILL
-    assert time.monotonic() - t0 < 1.0 + _supervisor._TERMINATE_GRACE_S + 5
+    assert time.monotonic() - t0 < 1.0 + _stop.TERMINATE_GRACE_S + 5
 
 
 def test_pressing_stop_twice_still_kills_a_rank_that_ignores_sigterm() -> None:
