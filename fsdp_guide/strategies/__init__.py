@@ -9,6 +9,10 @@ strategy names in Lightning's registry (see :mod:`fsdp_guide.strategies.registry
 - ``"ddp_sharded_notebook"`` / ``"ddp_sharded_fork"``: the same, ranks forked (notebooks).
 - ``"ddp_sharded_spawn"``: the same, ranks spawned.
 - ``"ddp_fully_sharded"``: :class:`DDPFullyShardedStrategy` (FairScale FSDP, CUDA only).
+
+Lightning's documentation: `strategies <https://lightning.ai/docs/pytorch/stable/extensions/strategy.html>`__;
+its own PyTorch FSDP strategy, `FSDPStrategy
+<https://lightning.ai/docs/pytorch/stable/api/lightning.pytorch.strategies.FSDPStrategy.html>`__.
 """
 
 from __future__ import annotations
