@@ -35,11 +35,15 @@ def _kill_group(process: BaseProcess, sig: int) -> None:
             os.kill(pid, sig)
 
 
+def _guarded(r: Rank) -> bool:
+    return r.pid is not None and r.pid != r.process.pid
+
+
 def stop_all(ranks: list[Rank]) -> None:
     """Terminate every rank still running and what it started; SIGKILL after a short grace."""
     running = [r for r in ranks if exit_code(r) is None]
     for r in running:
-        if r.pid is not None and r.pid != r.process.pid:
+        if _guarded(r):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(r.process.pid or 0, signal.SIGTERM)
         else:
@@ -50,21 +54,21 @@ def stop_all(ranks: list[Rank]) -> None:
             r.process.join(max(0.0, deadline - time.monotonic()))
     except KeyboardInterrupt:
         # A second interrupt (the stop button pressed twice) must not leave ranks running.
-        _kill_all(running)
+        _kill_all(ranks, running)
         raise
-    _kill_all(running)
+    _kill_all(ranks, running)
 
 
-def _kill_all(ranks: list[Rank]) -> None:
-    """SIGKILL every rank's process group, then wait for the ranks themselves."""
+def _kill_all(ranks: list[Rank], running: list[Rank]) -> None:
+    """SIGKILL the process group of every rank, then wait for those that were running."""
     for r in ranks:
-        if r.process.exitcode is None:
+        if r in running and r.process.exitcode is None:
             _kill_group(r.process, signal.SIGKILL)
-        else:
-            # The leader is gone; make sure nothing it started survives.
+        elif not _guarded(r):
+            # The leader is gone; make sure nothing it started survives (a guard saw to it).
             with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
                 os.killpg(r.process.pid or 0, signal.SIGKILL)
-    for r in ranks:
+    for r in running:
         r.process.join(5.0)
 
 
