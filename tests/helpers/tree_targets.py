@@ -1,6 +1,6 @@
 """Launched functions that start processes of their own, for the process-tree tests.
 
-Each rank starts four kinds of helper that real training code starts, each harder to stop
+Each rank starts the kinds of helper that real training code starts, each harder to stop
 than the last, records every pid in ``directory/helpers-rank{N}.json``, then blocks in a
 collective (or raises, or returns) so that the test can end the launcher the way it wants:
 
@@ -8,7 +8,8 @@ collective (or raises, or returns) so that the test can end the launcher the way
 - ``ignores_term``: a child that ignores SIGTERM (a DataLoader worker slow to exit);
 - ``own_session``: a child started with ``start_new_session=True`` (outside the rank's group);
 - ``daemon``: a grandchild that double-forks and calls ``setsid`` (a daemonizing server),
-  whose parent exits at once, so it is reparented away from the rank.
+  whose parent exits at once, so it is reparented away from the rank;
+- ``worker``: a forked ``multiprocessing`` child that ignores SIGTERM (a data-loader worker).
 """
 
 from __future__ import annotations
@@ -52,8 +53,12 @@ def _slow_worker() -> None:
     time.sleep(300)
 
 
-def start_helpers(directory: str, rank: int) -> dict[str, int]:
-    """Start the four helpers; return their pids by kind (also written to a JSON file)."""
+def start_helpers(directory: str, rank: int, with_worker: bool = True) -> dict[str, int]:
+    """Start the helpers; return their pids by kind (also written to a JSON file).
+
+    ``with_worker``: also a forked ``multiprocessing`` child that ignores SIGTERM, like a
+    data-loader worker slow to exit (it holds the rank's inherited descriptors).
+    """
     popen = subprocess.Popen(["sleep", "300"])
     ignores_term = subprocess.Popen([sys.executable, "-c", _IGNORE_TERM])
     own_session = subprocess.Popen(["sleep", "300"], start_new_session=True)
@@ -64,16 +69,17 @@ def start_helpers(directory: str, rank: int) -> dict[str, int]:
         if time.monotonic() > deadline:
             raise TimeoutError("the daemon never wrote its pid")
         time.sleep(0.01)
-    worker = mp.get_context("fork").Process(target=_slow_worker, daemon=True)
-    worker.start()
     pids = {
         "popen": popen.pid,
         "ignores_term": ignores_term.pid,
         "own_session": own_session.pid,
         "daemon": int(daemon_file.read_text()),
-        "worker": int(worker.pid or 0),
         "rank": os.getpid(),
     }
+    if with_worker:
+        worker = mp.get_context("fork").Process(target=_slow_worker, daemon=True)
+        worker.start()
+        pids["worker"] = int(worker.pid or 0)
     target = Path(directory, f"helpers-rank{rank}.json")
     target.with_suffix(".tmp").write_text(json.dumps(pids))
     target.with_suffix(".tmp").rename(target)
@@ -95,9 +101,11 @@ def helpers_then_return(rank: int, world_size: int, directory: str) -> int:
     return rank
 
 
-def helpers_then_die(rank: int, world_size: int, directory: str, how: str) -> int:
+def helpers_then_die(
+    rank: int, world_size: int, directory: str, how: str, with_worker: bool = True
+) -> int:
     """Start helpers; rank 1 then dies (``"sigkill"``, ``"raise"``); rank 0 blocks."""
-    start_helpers(directory, rank)
+    start_helpers(directory, rank, with_worker)
     dist.barrier()  # both ranks have their helpers
     if rank == 1:
         if how == "sigkill":
