@@ -110,6 +110,9 @@ def test_nothing_below_the_ranks_survives_a_sigkilled_launching_script(
 
 @pytest.mark.parametrize("how", ["sigkill", "raise"])
 def test_a_failing_rank_leaves_nothing_it_started(tmp_path: Path, how: str) -> None:
+    # The forked worker holds the rank's pipes: a killed rank used to go unnoticed until
+    # the timeout. Its guard reports it at once.
+    t0 = time.monotonic()
     try:
         with pytest.raises(RankError, match="killed by SIGKILL" if how == "sigkill" else "raise"):
             launch(
@@ -120,6 +123,7 @@ def test_a_failing_rank_leaves_nothing_it_started(tmp_path: Path, how: str) -> N
                 start_method="fork",
                 timeout=120,
             )
+        assert time.monotonic() - t0 < 60
         pids = _helper_pids(tmp_path)
         assert len(pids) == 2 * 6
         # launch returned: the processes below the ranks are gone already, or die now.
