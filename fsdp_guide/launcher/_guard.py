@@ -35,7 +35,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import NoReturn
 
-from fsdp_guide.launcher._orphan import prctl
+from fsdp_guide.launcher._orphan import die_with_parent, prctl
 from fsdp_guide.launcher._reports import EXITED, PROBE_SIGNAL
 
 __all__: list[str] = []
@@ -177,6 +177,10 @@ def _guard(rank_pid: int, launcher_pid: int, report: Connection) -> NoReturn:
 def split_off_guard(launcher_pid: int, close_in_guard: list[int], report: Connection) -> int | None:
     """Fork a rank below a guard: return the guard's pid in the rank; the guard never returns.
 
+    Both halves arm their parent-death signal before anything else and then check that
+    their parent is still the expected one, so a launcher (or guard) killed a moment
+    before the signal was armed still takes them with it.
+
     Off Linux, or where ``prctl`` is refused, nothing is forked and ``None`` is returned:
     the rank then guards itself as well as it can (``_orphan.die_with_parent``) and its
     process group.
@@ -193,10 +197,16 @@ def split_off_guard(launcher_pid: int, close_in_guard: list[int], report: Connec
     # to the rank: the parent-death signal is not inherited, and the signals the guard
     # waits for (or ignores) stay blocked in it, never handled; the rank unblocks them.
     prctl(_PR_SET_PDEATHSIG, signal.SIGHUP)
+    if os.getppid() != launcher_pid:
+        # The launcher died before the signal was armed (a spawned rank takes a while to
+        # start): nothing will ever send it, and nothing is below us yet.
+        os._exit(1)
     guard_pid = os.getpid()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
     rank_pid = os.fork()
     if rank_pid == 0:
+        # First thing: a guard killed from here on takes the rank with it.
+        die_with_parent(guard_pid)
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         return guard_pid
     for fd in close_in_guard:

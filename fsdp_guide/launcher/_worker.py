@@ -155,7 +155,8 @@ def run_rank(
     guard_pid = split_off_guard(
         launcher_pid, [*ours, *([listener.fileno()] if listener is not None else [])], result_w
     )
-    die_with_parent(guard_pid if guard_pid is not None else launcher_pid)
+    if guard_pid is None:
+        die_with_parent(launcher_pid)  # below a guard, the fork did it first thing
     sys.stdout = _redirect_stream(1, stdout_w)
     sys.stderr = _redirect_stream(2, stderr_w)
     # On timeout the launcher sends SIGUSR1 first: every thread's stack then shows where
