@@ -14,17 +14,16 @@ when there are two or more, else CPU ranks under gloo). ``%load_ext fsdp_guide``
 
 from __future__ import annotations
 
-# Layers, from the caller down: _launch (launch itself), _checks (its arguments, checked before
-# any process starts) and _main_guard (spawn from an unguarded script), _rendezvous (address,
-# ports, the torchrun environment), _supervisor (one loop in the caller's thread: start, relay,
-# collect, stop) with _reports (what each rank reported, which failure to blame), _stop
-# (stopping ranks, closing their descriptors) and _hangs (ranks stuck in different
-# collectives), _worker (what runs inside a rank), _guard (the process above each rank that
-# kills whatever the rank started), _process_group (joining torch.distributed: launched ranks,
-# torchrun, dist_init), _output (whole-line relay), magic (the cell magic), _plan (ranks and
-# backend for a lesson), _orphan (a rank dies with its launcher), _stacks (a rank's stack
-# dump, user's frames first), _entry (a collective helper called on some ranks only fails
-# within seconds).
+# Layers, from the caller down: _launch (launch itself), _checks (its arguments, checked before any
+# process starts) and _main_guard (spawn from an unguarded script), _rendezvous (address, ports, the
+# torchrun environment), _supervisor (one loop in the caller's thread: start, relay, collect, stop)
+# with _reports (what each rank reported, which failure to blame), _stop (stopping ranks, closing
+# their descriptors) and _hangs (ranks stuck in different collectives), _worker (what runs inside a
+# rank), _guard (the process above each rank that kills whatever the rank started), _process_group
+# (joining torch.distributed: launched ranks, torchrun, dist_init) with _fresh (store keys no
+# earlier torchrun start used), _output (whole-line relay), magic (the cell magic), _plan (ranks and
+# backend for a lesson), _orphan (a rank dies with its launcher), _stacks (a rank's stack dump,
+# user's frames first), _entry (a collective helper called on some ranks only fails within seconds).
 from fsdp_guide.errors import (
     CollectiveCallError,
     CollectiveMismatchError,
