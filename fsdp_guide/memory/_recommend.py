@@ -34,6 +34,7 @@ def recommend(plans: Sequence[Plan], gpu_memory: int, margin: float = 0.1) -> Pl
     fullest rank, then the first plan given.
 
     Examples:
+        >>> from fsdp_guide.memory import plan
         >>> from fsdp_guide.models import MLP
         >>> plans = [plan(MLP(), batch_size=8, seq_len=1, world_size=2, strategy=s)
         ...          for s in ("ddp", "sharded_ddp", "fsdp", "fsdp2")]
