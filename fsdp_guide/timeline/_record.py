@@ -227,9 +227,10 @@ def record_step(
             with open(memory) as f:
                 times, sizes = json.load(f)
             categorised = True
-        except (AssertionError, KeyError, RuntimeError, ValueError):
-            # The memory profile rejects some graphs (FSDP1's flat parameters): the trace's
-            # allocation events still give the exact total, the step's own bytes uncategorised.
+        except Exception:
+            # The memory profile rejects some graphs (an assertion on FSDP1's flat parameters,
+            # on DeepSpeed's hooks): the trace's allocation events still give the exact total,
+            # the step's own bytes uncategorised.
             times, sizes = _uncategorised(trace_json["traceEvents"], base)
             categorised = False
     timeline = _timeline(times, sizes, trace_json["traceEvents"], base, state_before)
