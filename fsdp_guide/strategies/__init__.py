@@ -9,10 +9,14 @@ strategy names in Lightning's registry (see :mod:`fsdp_guide.strategies.registry
 - ``"ddp_sharded_notebook"`` / ``"ddp_sharded_fork"``: the same, ranks forked (notebooks).
 - ``"ddp_sharded_spawn"``: the same, ranks spawned.
 - ``"ddp_fully_sharded"``: :class:`DDPFullyShardedStrategy` (FairScale FSDP, CUDA only).
+
+:class:`CPUFSDPStrategy` (no registered name) is Lightning's own ``FSDPStrategy`` (PyTorch
+FSDP1) made to run on CPU ranks, a teaching aid for machines without a GPU.
 """
 
 from __future__ import annotations
 
+from fsdp_guide.strategies._fsdp_on_cpu import CPUFSDPStrategy
 from fsdp_guide.strategies._precision import ShardedMixedPrecision, ShardedPrecision
 from fsdp_guide.strategies.fully_sharded import DDPFullyShardedStrategy
 from fsdp_guide.strategies.registry import STRATEGY_NAMES, register_fairscale_strategies
@@ -20,6 +24,7 @@ from fsdp_guide.strategies.sharded import DDPShardedStrategy
 
 __all__ = [
     "STRATEGY_NAMES",
+    "CPUFSDPStrategy",
     "DDPFullyShardedStrategy",
     "DDPShardedStrategy",
     "ShardedMixedPrecision",
