@@ -69,6 +69,16 @@ from __future__ import annotations
 
 from fsdp_guide.checkpoint._api import consolidate, load, save
 from fsdp_guide.checkpoint._detect import Strategy, detect_strategy
+from fsdp_guide.checkpoint._into_shards import load_full_state_dict, read_full_state_dict
 from fsdp_guide.errors import CheckpointError
 
-__all__ = ["CheckpointError", "Strategy", "consolidate", "detect_strategy", "load", "save"]
+__all__ = [
+    "CheckpointError",
+    "Strategy",
+    "consolidate",
+    "detect_strategy",
+    "load",
+    "load_full_state_dict",
+    "read_full_state_dict",
+    "save",
+]

@@ -2,7 +2,9 @@
 
 :func:`measure_model_state` counts the bytes of parameters, gradients and optimizer state
 that a rank holds; :func:`estimate_model_state` gives what the ZeRO formulas predict for
-the same setting; :func:`peak_memory` reads the device's (or process's) peak.
+the same setting; :func:`peak_memory` reads the device's (or process's) peak, and
+:func:`track_allocations` the most bytes one block of code holds at once (building,
+loading or saving a model).
 
 **Communication.** :func:`count_collectives` counts the collectives a rank issues (calls,
 elements and bytes per kind, and whether the count is complete);
@@ -50,6 +52,7 @@ buffers are not counted.
 from __future__ import annotations
 
 from fsdp_guide.catalog import resolve_stage
+from fsdp_guide.memory._allocations import Allocations, track_allocations
 from fsdp_guide.memory._comm import (
     COLLECTIVE_KINDS,
     CollectiveCount,
@@ -81,6 +84,7 @@ from fsdp_guide.memory._zero import (
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "Allocations",
     "BytesPerParam",
     "CollectiveCount",
     "CollectiveKind",
@@ -109,4 +113,5 @@ __all__ = [
     "root_unit_params",
     "rows_as_json",
     "traced_activation_bytes",
+    "track_allocations",
 ]

@@ -35,8 +35,6 @@ from torch.optim import Optimizer
 
 from fsdp_guide.errors import EngineUnavailableError
 
-__all__ = ["CPUFSDPStrategy"]
-
 
 def _is_fsdp1(module: Module) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel

@@ -8,6 +8,8 @@ gathers the helpers, which live in smaller modules:
   their union ``a | b`` / :func:`any_of`, usable with FairScale, FSDP1 and FSDP2;
 * sharding: :func:`shard` with a policy (``fsdp_guide/wrap/_engines.py``), and manual
   wrapping with :func:`wrapping` and :func:`wrap` (``fsdp_guide/wrap/_manual.py``);
+* building a model already sharded, never whole on a rank: :func:`build_sharded`
+  (``fsdp_guide/wrap/_build.py``);
 * :func:`checkpoint_layers` and :func:`saved_activation_bytes`
   (``fsdp_guide/wrap/_activations.py``);
 * :func:`describe` and :func:`sharded_units` (``fsdp_guide/wrap/_inspect.py``);
@@ -30,13 +32,14 @@ Examples:
 
 from __future__ import annotations
 
-from fsdp_guide.errors import EngineUnavailableError, OptimizerMismatchError
+from fsdp_guide.errors import EngineUnavailableError, MetaInitError, OptimizerMismatchError
 from fsdp_guide.wrap._activations import (
     CheckpointImplementation,
     checkpoint_layers,
     checkpointed_names,
     saved_activation_bytes,
 )
+from fsdp_guide.wrap._build import build_sharded, uninitialisable_modules
 from fsdp_guide.wrap._engines import ENGINES, Engine, check_engine, shard
 from fsdp_guide.wrap._inspect import (
     ModuleNode,
@@ -63,11 +66,13 @@ __all__ = [
     "Engine",
     "EngineUnavailableError",
     "LayerPolicy",
+    "MetaInitError",
     "ModuleNode",
     "OptimizerMismatchError",
     "SizePolicy",
     "WrapPolicy",
     "any_of",
+    "build_sharded",
     "check_engine",
     "check_optimizer",
     "checkpoint_layers",
@@ -79,6 +84,7 @@ __all__ = [
     "selected_modules",
     "shard",
     "sharded_units",
+    "uninitialisable_modules",
     "wrap",
     "wrapping",
 ]
