@@ -73,6 +73,17 @@ class LitSmall(pl.LightningModule):
         self.state = state.as_dict()
 
 
+class SaveAt(pl.Callback):
+    """Save a checkpoint once the step ``step`` is done (every rank calls it)."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
 def _quiet() -> None:
     warnings.filterwarnings("ignore")
     for name in ("pytorch_lightning", "lightning_fabric"):
@@ -88,7 +99,7 @@ def fit(
     max_steps: int = STEPS,
     ckpt_path: str | None = None,
     save_to: str | None = None,
-    limit_train_batches: int = STEPS,
+    callbacks: list[pl.Callback] | None = None,
 ) -> dict[str, Any]:
     """Fit the small transformer with ``strategy``; this rank's losses, state and units."""
     trainer = pl.Trainer(
@@ -101,7 +112,7 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        limit_train_batches=limit_train_batches,
+        callbacks=callbacks,
     )
     lit = LitSmall(manual_wrap)
     loader = DataLoader(StepBatches(rank, world_size), batch_size=None)
@@ -161,18 +172,18 @@ def other_settings(rank: int, world_size: int, root: str) -> dict[str, Any]:
     )
     out["hybrid"] = fit(rank, world_size, hybrid)
     out["manual"] = fit(rank, world_size, CPUFSDPStrategy(), manual_wrap=True)
-    # Epochs of one batch: a checkpoint saved after step 1 ends an epoch, so a resumed run
-    # takes the same second step as an uninterrupted one.
-    one = {"limit_train_batches": 1}
+    # A checkpoint written at the end of the first epoch (by a callback: saved after fit()
+    # stops at max_steps, Lightning would replay a batch); the resumed run's next epoch must
+    # take the uninterrupted run's steps, optimizer state included.
     out["uninterrupted"] = fit(
-        rank, world_size, CPUFSDPStrategy(auto_wrap_policy={Block}), max_steps=2, **one
+        rank, world_size, CPUFSDPStrategy(auto_wrap_policy={Block}), max_steps=2 * STEPS
     )
     for kind in ("full", "sharded"):
         path = str(Path(root) / kind)
         options: dict[str, Any] = {"auto_wrap_policy": {Block}, "state_dict_type": kind}
-        fit(rank, world_size, CPUFSDPStrategy(**options), max_steps=1, save_to=path, **one)
+        fit(rank, world_size, CPUFSDPStrategy(**options), callbacks=[SaveAt(STEPS, path)])
         out[f"resumed_{kind}"] = fit(
-            rank, world_size, CPUFSDPStrategy(**options), max_steps=2, ckpt_path=path, **one
+            rank, world_size, CPUFSDPStrategy(**options), max_steps=2 * STEPS, ckpt_path=path
         )
     return out
 

@@ -179,6 +179,7 @@ CASES: list[tuple[str, str, tuple[Any, ...]]] = [
     ("08_ddp_optimizations.ipynb", "accumulate_every_step", ()),
     ("09_deepspeed_zero.ipynb", "train", ({},)),
     ("09_deepspeed_zero.ipynb", "train_and_save", ()),
+    ("10_lightning_fsdp_strategies.ipynb", "train_plain", ({},)),
 ]
 
 
@@ -262,6 +263,10 @@ NO_TRAINING = {
     ("04_fully_sharded_data_parallel.ipynb", "wrap_odd_model"),
     ("05_wrapping_policies.ipynb", "wrap_fairscale"),
     ("08_ddp_optimizations.ipynb", "without_the_flag"),
+    # Lightning places model and batches itself: these build a Trainer from PLAN (below).
+    ("10_lightning_fsdp_strategies.ipynb", "fit"),
+    ("10_lightning_fsdp_strategies.ipynb", "fails"),
+    ("10_lightning_fsdp_strategies.ipynb", "wrapped_tree"),
 }
 
 
@@ -304,3 +309,27 @@ def test_lightning_lesson_trains_where_the_plan_says(plan: RankPlan) -> None:
         namespace["trainer"]("ddp_sharded_notebook")
     (options,) = _TrainerSpy.calls
     assert (options["accelerator"], options["devices"]) == (plan.accelerator, plan.world_size)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        RankPlan(world_size=4, backend="nccl", gpus=4),
+        RankPlan(world_size=2, backend="gloo", gpus=0),
+    ],
+    ids=str,
+)
+def test_lightning_fsdp_lesson_follows_the_plan(plan: RankPlan) -> None:
+    # Lesson 10 builds each rank's Trainer with make_trainer, and picks Lightning's own
+    # FSDPStrategy on GPUs, the CPU teaching aid on CPU ranks.
+    notebook = "10_lightning_fsdp_strategies.ipynb"
+    with _lesson(notebook, Recorder()) as namespace:
+        namespace["PLAN"], namespace["WORLD_SIZE"] = plan, plan.world_size
+        strategy = namespace["fsdp"]()
+        namespace["pl"] = type("pl", (), {"Trainer": _TrainerSpy})
+        _TrainerSpy.calls = []
+        namespace["make_trainer"](strategy)
+    (options,) = _TrainerSpy.calls
+    assert (options["accelerator"], options["devices"]) == (plan.accelerator, plan.world_size)
+    expected = "FSDPStrategy" if plan.backend == "nccl" else "CPUFSDPStrategy"
+    assert type(strategy).__name__ == expected
