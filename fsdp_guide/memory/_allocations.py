@@ -10,8 +10,10 @@ release of its CPU allocator with its size (``profile_memory=True``): tensors ma
 op, storages grown or freed by ``resize_`` (FSDP frees and refills its gathered parameters
 that way), tensors read by ``torch.load``. Replaying those events in order gives the peak,
 exactly. Only what the block allocates is followed: the profiler cannot size a block
-allocated before it started, so releasing one is not counted (torch logs a warning the
-first few times). Memory not taken through torch's allocator (a file mapped by
+allocated before it started, so releasing one is not counted. Torch then logs a warning
+("Memory block of unknown size ...") from C++, which is expected here and left out of the
+process's error output while the block runs (the rest of that output is passed on when
+the block ends). Memory not taken through torch's allocator (a file mapped by
 ``torch.load(..., mmap=True)``, Python objects) is not counted either.
 """
 
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,6 +47,33 @@ class Allocations:
     peak: int = 0
     net: int = 0
     events: int = field(default=0, repr=False)
+
+
+# What torch's CPU allocator logs when the profiler sees a release it cannot size.
+_UNSIZED_RELEASE = b"Memory block of unknown size was allocated before the profiling started"
+
+
+@contextmanager
+def _unsized_releases_unlogged() -> Iterator[None]:
+    """Hold file descriptor 2 while the block runs; pass it on without the unsized-release line.
+
+    The warning is written by C++ to the descriptor, where no Python filter reaches it.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().splitlines(keepends=True)
+            kept = b"".join(line for line in lines if _UNSIZED_RELEASE not in line)
+            if kept:
+                os.write(2, kept)
 
 
 def _replay(sizes: list[int]) -> tuple[int, int]:
@@ -106,7 +137,10 @@ def track_allocations(device: torch.device | str | None = None) -> Iterator[Allo
 
     # Kineto prints a banner line per profile at its default log level: keep it quiet.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with (
+        _unsized_releases_unlogged(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         yield seen
     # The raw events, one per allocation or release; the summary of prof.events() folds
     # those made inside an op into the op, which loses their order.

@@ -267,6 +267,14 @@ NO_TRAINING = {
     ("10_lightning_fsdp_strategies.ipynb", "fit"),
     ("10_lightning_fsdp_strategies.ipynb", "fails"),
     ("10_lightning_fsdp_strategies.ipynb", "wrapped_tree"),
+    # Lesson 11 builds and loads models and measures the allocations; it computes no loss.
+    ("11_building_and_loading_big_models.ipynb", "naive"),
+    ("11_building_and_loading_big_models.ipynb", "meta_recipe"),
+    ("11_building_and_loading_big_models.ipynb", "sharded_from_the_start"),
+    ("11_building_and_loading_big_models.ipynb", "fsdp1_from_meta"),
+    ("11_building_and_loading_big_models.ipynb", "zero_init"),
+    ("11_building_and_loading_big_models.ipynb", "lightning_build"),
+    ("11_building_and_loading_big_models.ipynb", "load"),
 }
 
 
