@@ -180,6 +180,9 @@ CASES: list[tuple[str, str, tuple[Any, ...]]] = [
     ("09_deepspeed_zero.ipynb", "train", ({},)),
     ("09_deepspeed_zero.ipynb", "train_and_save", ()),
     ("10_lightning_fsdp_strategies.ipynb", "train_plain", ({},)),
+    ("12_sharded_checkpoints.ipynb", "save_both", ("fsdp2",)),
+    ("12_sharded_checkpoints.ipynb", "deepspeed_save", ()),
+    ("12_sharded_checkpoints.ipynb", "crash_second_save", ("dcp.save",)),
 ]
 
 
@@ -275,6 +278,11 @@ NO_TRAINING = {
     ("11_building_and_loading_big_models.ipynb", "zero_init"),
     ("11_building_and_loading_big_models.ipynb", "lightning_build"),
     ("11_building_and_loading_big_models.ipynb", "load"),
+    # Lesson 12 restores checkpoints before training with make()/train_steps(), which
+    # save_both (above) checks; save_then_crash writes a file and dies on purpose.
+    ("12_sharded_checkpoints.ipynb", "resume"),
+    ("12_sharded_checkpoints.ipynb", "load_after_crash"),
+    ("12_sharded_checkpoints.ipynb", "save_then_crash"),
 }
 
 
