@@ -276,7 +276,9 @@ def loss_fn(model: nn.Module, batch: Batch) -> Tensor:
 
     Examples:
         >>> model = build_model("mlp")
-        >>> float(loss_fn(model, synthetic_batch("mlp"))) > 0
+        >>> loss = loss_fn(model, synthetic_batch("mlp"))
+        >>> loss.backward()  # a scalar with a graph, ready for backward
+        >>> loss.item() > 0
         True
     """
     x, y = batch

@@ -49,7 +49,8 @@ def fit_table() -> str:
     from fsdp_guide.memory import plan, recommend, traced_activation_bytes
     from fsdp_guide.models import TinyTransformer, TransformerConfig
 
-    header = ["model", "parameters", "GPUs", "activations", *STRATEGIES, "recommended"]
+    # Few, short columns: the table must fit a laptop's screen beside the site's sidebars.
+    header = ["model", "GPUs", "act.", *STRATEGIES, "recommended"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for name, fields in SCALES:
         cfg = TransformerConfig(**fields)
@@ -74,10 +75,10 @@ def fit_table() -> str:
             ]
             fits = [p for p in plans if p.total <= GPU_BYTES * (1 - MARGIN)]
             best = recommend(plans, GPU_BYTES, MARGIN)
-            cells = [name, f"{plans[0].num_params / 1e9:.2f}B", str(world_size)]
+            cells = [f"{name} ({plans[0].num_params / 1e9:.2f}B)", str(world_size)]
             cells.append(f"{saved / 1e9:.1f}")
             cells += [f"{p.total / 1e9:.1f}" + ("" if p in fits else " ✗") for p in plans]
-            cells.append(f"`{best.strategy}`" if best else "none: more GPUs")
+            cells.append(f"`{best.strategy}`" if best else "more GPUs")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -1,9 +1,10 @@
 """Sphinx extension that resolves references the way Python resolves names.
 
-The API reference documents each object once, where it is defined. Docstrings and
-notebooks name objects where they are importable from, and mention third-party names
-without qualification; the two handlers below bridge both, and leave every other broken
-reference to fail the build.
+The API reference documents each object under the façade that exports it. Type hints name
+objects where they are defined (a private module), docstrings where they are importable
+from, and both mention third-party names without qualification; the two handlers below
+bridge all three (intersphinx links third-party names when its inventories are reachable),
+and leave every other broken reference to fail the build.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import builtins
 import importlib
 import importlib.util
+import re
 from typing import Any
+
+from fsdp_links import public_home
 
 PACKAGE = "fsdp_guide"
 
@@ -33,28 +37,25 @@ def _lookup(dotted: str) -> Any:
     return None
 
 
-def public_home(module: str) -> str:
-    """The public module documenting what ``module`` defines: the part before any ``_`` name.
+def _documented_as(py: Any, value: Any, qualname: str, home: str) -> list[str]:
+    """Names under which the API reference documents ``value``, the one at ``home`` first.
 
-    Private modules (``fsdp_guide.memory._state``) are not in the API reference; their
-    package's façade (``fsdp_guide.memory``) re-exports and documents what they define.
-
-    Examples:
-        >>> public_home("fsdp_guide.memory._state"), public_home("fsdp_guide.errors")
-        ('fsdp_guide.memory', 'fsdp_guide.errors')
+    A façade documents each name of its ``__all__`` under its own path, and the package
+    re-exports some of them, so one object may have several entries; any of them will do.
     """
-    parts = module.split(".")
-    first_private = next((i for i, p in enumerate(parts) if p.startswith("_")), len(parts))
-    return ".".join(parts[:first_private])
+    names = [
+        name for name in py.objects if name.endswith(f".{qualname}") and _lookup(name) is value
+    ]
+    return sorted(names, key=lambda name: (not name.startswith(f"{home}."), len(name)))
 
 
 def resolve_through_python(app: Any, env: Any, node: Any, contnode: Any) -> Any:
     """Resolve a reference to one of our names the way Python would (``missing-reference``).
 
-    A docstring may name an object by where it is importable from (``:class:`LaunchTimeout```
-    in a module that imports it, or ``fsdp_guide.launch`` for the function the package
-    re-exports), while the API reference documents it once, where it is defined. This
-    finds the object and links to that canonical entry.
+    Type hints name an object where it is defined (``fsdp_guide.memory._plan.Plan``) and a
+    docstring may name it where it is imported (``:class:`LaunchTimeout``` in a module that
+    imports it), while the API reference documents it under a façade
+    (``fsdp_guide.memory.Plan``). This finds the object and links to its entry there.
     """
     if node.get("refdomain") != "py":
         return None
@@ -70,15 +71,15 @@ def resolve_through_python(app: Any, env: Any, node: Any, contnode: Any) -> Any:
         qualname = getattr(value, "__qualname__", None)
         if not isinstance(origin, str) or not isinstance(qualname, str):
             continue
-        canonical = f"{public_home(origin)}.{qualname}"
-        if canonical == candidate or not canonical.startswith(f"{PACKAGE}."):
-            continue
-        for role in (node["reftype"], "obj"):
-            found = py.resolve_xref(
-                env, node["refdoc"], app.builder, role, canonical, node, contnode
-            )
-            if found is not None:
-                return found
+        for name in _documented_as(py, value, qualname, public_home(origin)):
+            if name == candidate:
+                continue
+            for role in (node["reftype"], "obj"):
+                found = py.resolve_xref(
+                    env, node["refdoc"], app.builder, role, name, node, contnode
+                )
+                if found is not None:
+                    return found
     return None
 
 
@@ -117,8 +118,36 @@ def quiet_external_reference(app: Any, domain: Any, node: Any) -> bool | None:
     return None
 
 
+_PRIVATE = re.compile(r"^fsdp_guide(\.\w+)*\._\w")
+_TILDE_PATH = re.compile(r"~(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)")
+
+
+def drop_tilde_paths(app: Any, doctree: Any) -> None:
+    """Show types by their short names (``doctree-read``), as a reader imports them.
+
+    ``type[~torch.nn.modules.module.Module]`` becomes ``type[Module]``.
+
+    autodoc's short type format leaves the ``~`` and the defining module inside some nested
+    annotations of a parameter's type; the reader should see the short name, as elsewhere.
+    """
+    from docutils import nodes
+    from sphinx import addnodes
+
+    for text in list(doctree.findall(nodes.Text)):
+        if "~" in text and _TILDE_PATH.search(text):
+            text.parent.replace(text, nodes.Text(_TILDE_PATH.sub(r"\1", str(text))))
+    # A type named by its defining module (``fsdp_guide.memory._state.ModelState``, as napoleon
+    # writes an attribute's annotation) shows its short name; the link goes to its façade.
+    for xref in doctree.findall(addnodes.pending_xref):
+        target = xref.get("reftarget", "")
+        if _PRIVATE.search(target) and xref.astext() == target:
+            for text in list(xref.findall(nodes.Text)):
+                text.parent.replace(text, nodes.Text(target.rsplit(".", 1)[-1]))
+
+
 def setup(app: Any) -> dict[str, Any]:
-    """Register both handlers with Sphinx."""
+    """Register the handlers with Sphinx."""
     app.connect("missing-reference", resolve_through_python)
     app.connect("warn-missing-reference", quiet_external_reference)
+    app.connect("doctree-read", drop_tilde_paths)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

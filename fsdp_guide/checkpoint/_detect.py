@@ -59,7 +59,6 @@ def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
     from fsdp_guide.deepspeed._engine import is_engine
@@ -82,7 +81,10 @@ def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         return "sharded_ddp"
     if fairscale is not None and isinstance(optimizer, fairscale[2]):
         return "oss"
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    # Only an imported class has instances: importing torch.distributed.optim just to ask
+    # would script its functional optimizers (66 torch.jit deprecation warnings per process).
+    zero = sys.modules.get("torch.distributed.optim")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
         return "zero"
     if isinstance(model, DistributedDataParallel):
         return "ddp"

@@ -3,8 +3,8 @@
 The catalog's ``deepspeed_zero1`` to ``deepspeed_zero3`` strategies and their offload
 variants are built here (:func:`fsdp_guide.catalog.wrap_for_strategy` calls
 :func:`initialize` with a :func:`zero_config`). DeepSpeed is an optional extra
-(``pip install "fsdp-guide[deepspeed]"``) and is imported only when an engine is built:
-importing this package does not import it.
+(``pip install -e ".[deepspeed]"`` from a checkout) and is imported only when an engine is
+built: importing this package does not import it.
 
 What it takes to run DeepSpeed on a laptop, and where each step lives:
 
@@ -23,6 +23,9 @@ What it takes to run DeepSpeed on a laptop, and where each step lives:
   missing, or when a config would compile an op and no compiler is on ``PATH``.
 * :func:`backward_and_step`: ``engine.backward(loss)`` and ``engine.step()`` in place of
   ``loss.backward()`` and ``optimizer.step()``.
+
+DeepSpeed's own documentation: `ZeRO <https://deepspeed.readthedocs.io/en/latest/zero3.html>`__
+and the `configuration keys <https://www.deepspeed.ai/docs/config-json/>`__.
 
 Examples:
     >>> from fsdp_guide.deepspeed import zero_config

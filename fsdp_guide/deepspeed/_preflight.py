@@ -16,7 +16,9 @@ from typing import Any
 from fsdp_guide.errors import MissingRequirementError
 
 #: The command that installs the extra, pinned like the rest of the project.
-INSTALL_COMMAND = 'pip install -c requirements/constraints.txt "fsdp-guide[deepspeed]"'
+# From a checkout, the way the install page installs everything else (the package is not on
+# the package index yet).
+INSTALL_COMMAND = 'pip install -c requirements/constraints.txt -e ".[deepspeed]"'
 #: Compilers torch's JIT extension builder calls (``$CXX`` first).
 COMPILERS = ("c++", "g++", "clang++", "cc")
 # DeepSpeed optimizer types whose update is a compiled op unless torch's Adam is asked for.

@@ -7,20 +7,18 @@ it stops them all and raises. :func:`dist_init` joins a process group from the e
 NCCL, the CPU under gloo; :func:`plan_ranks` picks the ranks a lesson starts (every GPU
 when there are two or more, else CPU ranks under gloo). ``%load_ext fsdp_guide`` registers
 :class:`~fsdp_guide.launcher.magic.DistributedMagics`, the ``%%distributed`` cell magic.
-
-Layers, from the caller down: ``_launch`` (:func:`launch` itself), ``_checks`` (its
-arguments, checked before any process starts), ``_rendezvous`` (address, ports, the
-torchrun environment), ``_supervisor`` (one loop in the caller's thread: start, relay,
-collect, stop) with ``_reports`` (what each rank reported, which failure to blame),
-``_worker`` (what runs inside a rank), ``_process_group`` (joining ``torch.distributed``:
-launched ranks, torchrun, :func:`dist_init`), ``_output`` (whole-line relay), ``magic``
-(the cell magic), ``_plan`` (ranks and backend for a lesson), ``_orphan`` (a rank dies
-with its launcher), ``_stacks`` (a rank's stack dump, user's frames first), ``_entry`` (a
-collective helper called on some ranks only fails within seconds).
 """
 
 from __future__ import annotations
 
+# Layers, from the caller down: _launch (launch itself), _checks (its arguments, checked before
+# any process starts), _rendezvous (address, ports, the torchrun environment), _supervisor (one
+# loop in the caller's thread: start, relay, collect, stop) with _reports (what each rank
+# reported, which failure to blame), _worker (what runs inside a rank), _process_group (joining
+# torch.distributed: launched ranks, torchrun, dist_init), _output (whole-line relay), magic
+# (the cell magic), _plan (ranks and backend for a lesson), _orphan (a rank dies with its
+# launcher), _stacks (a rank's stack dump, user's frames first), _entry (a collective helper
+# called on some ranks only fails within seconds).
 from fsdp_guide.errors import CollectiveCallError, LaunchError, LaunchTimeout, RankError
 from fsdp_guide.launcher._checks import in_interactive_session, resolve_backend
 from fsdp_guide.launcher._launch import launch

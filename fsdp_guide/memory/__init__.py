@@ -2,9 +2,9 @@
 
 :func:`measure_model_state` counts the bytes of parameters, gradients and optimizer state
 that a rank holds; :func:`estimate_model_state` gives what the ZeRO formulas predict for
-the same setting; :func:`peak_memory` reads the device's (or process's) peak, and
-:func:`track_allocations` the most bytes one block of code holds at once (building,
-loading or saving a model).
+the same setting (`Rajbhandari et al., 2020 <https://arxiv.org/abs/1910.02054>`__);
+:func:`peak_memory` reads the device's (or process's) peak, and :func:`track_allocations`
+the most bytes one block of code holds at once (building, loading or saving a model).
 
 **Communication.** :func:`count_collectives` counts the collectives a rank issues (calls,
 elements and bytes per kind, and whether the count is complete);

@@ -232,7 +232,7 @@ def _sequence_numbers() -> dict[Any, int | None]:
 
 
 class CommCounter:
-    """The live handle :func:`count_collectives` yields; read :attr:`stats` after the block."""
+    """The live handle :func:`count_collectives` yields; read its ``stats`` after the block."""
 
     def __init__(self) -> None:
         self._stats: CommStats | None = None

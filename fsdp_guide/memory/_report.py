@@ -163,8 +163,8 @@ def communication_table(rows: Sequence[ComparisonRow]) -> str:
     (an all-reduce counts twice), the paper's figure for the stage, and what a ring sends.
 
     Examples:
-        >>> from fsdp_guide.memory._comm import CollectiveCount
-        >>> from fsdp_guide.memory._comm_zero import predict_communication
+        >>> from fsdp_guide.memory import CollectiveCount
+        >>> from fsdp_guide.memory import predict_communication
         >>> stats = CommStats({"all_reduce": CollectiveCount(1, 100, 400)})
         >>> state = ModelState(4, 4, 8)
         >>> row = ComparisonRow(

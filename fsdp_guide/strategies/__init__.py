@@ -10,8 +10,11 @@ strategy names in Lightning's registry (see :mod:`fsdp_guide.strategies.registry
 - ``"ddp_sharded_spawn"``: the same, ranks spawned.
 - ``"ddp_fully_sharded"``: :class:`DDPFullyShardedStrategy` (FairScale FSDP, CUDA only).
 
-:class:`CPUFSDPStrategy` (no registered name) is Lightning's own ``FSDPStrategy`` (PyTorch
-FSDP1) made to run on CPU ranks, a teaching aid for machines without a GPU.
+Lightning's documentation: `strategies <https://lightning.ai/docs/pytorch/stable/extensions/strategy.html>`__;
+its own PyTorch FSDP strategy, `FSDPStrategy
+<https://lightning.ai/docs/pytorch/stable/api/lightning.pytorch.strategies.FSDPStrategy.html>`__.
+:class:`CPUFSDPStrategy` (no registered name) is that ``FSDPStrategy`` (PyTorch FSDP1) made
+to run on CPU ranks, a teaching aid for machines without a GPU.
 """
 
 from __future__ import annotations

@@ -48,8 +48,10 @@ class CPUFSDPStrategy(FSDPStrategy):
     It takes the same arguments as ``pytorch_lightning.strategies.FSDPStrategy`` and behaves
     the same, except on CPU ranks, where FSDP1 is told to compute on the CPU, a
     ``device_mesh`` tuple is built on the CPU, full checkpoints are gathered without the
-    (there meaningless) offload to CPU, and ``cpu_offload`` is refused (see the module
-    docstring). On a GPU it is ``FSDPStrategy``. It has no registered name: pass an
+    offload to CPU (a no-op there, whose gathered tensors would alias storage FSDP1 frees
+    right after: the rank dies saving), and ``cpu_offload`` is refused when the ``Trainer``
+    is built (the shards are in CPU memory already, and FSDP1's offload needs an
+    accelerator to pin memory). On a GPU it is ``FSDPStrategy``. It has no registered name: pass an
     instance, ``Trainer(accelerator="cpu", devices=2, strategy=CPUFSDPStrategy(...))``.
 
     Like ``FSDPStrategy``, it starts the other ranks by running the script again. In a

@@ -1,19 +1,21 @@
 """Wrapping and activation checkpointing for every engine: the public entry point.
 
 How a model is cut into FSDP units decides peak memory and how communication overlaps
-compute; activation checkpointing trades recomputation for activation memory. This module
-gathers the helpers, which live in smaller modules:
+compute; activation checkpointing trades recomputation for activation memory. Import
+everything from here:
 
-* policies (``fsdp_guide/wrap/_policy.py``): :class:`SizePolicy`, :class:`LayerPolicy`,
-  their union ``a | b`` / :func:`any_of`, usable with FairScale, FSDP1 and FSDP2;
-* sharding: :func:`shard` with a policy (``fsdp_guide/wrap/_engines.py``), and manual
-  wrapping with :func:`wrapping` and :func:`wrap` (``fsdp_guide/wrap/_manual.py``);
-* building a model already sharded, never whole on a rank: :func:`build_sharded`
-  (``fsdp_guide/wrap/_build.py``);
-* :func:`checkpoint_layers` and :func:`saved_activation_bytes`
-  (``fsdp_guide/wrap/_activations.py``);
-* :func:`describe` and :func:`sharded_units` (``fsdp_guide/wrap/_inspect.py``);
-* :func:`check_optimizer` (``fsdp_guide/wrap/_optimizer_check.py``).
+* policies: :class:`SizePolicy`, :class:`LayerPolicy`, their union ``a | b`` /
+  :func:`any_of`, usable with FairScale, FSDP1 and FSDP2;
+* sharding: :func:`shard` with a policy, and manual wrapping with :func:`wrapping` and
+  :func:`wrap`;
+* building a model already sharded, never whole on a rank: :func:`build_sharded`;
+* activation checkpointing: :func:`checkpoint_layers` and :func:`saved_activation_bytes`;
+* inspection: :func:`describe`, :func:`sharded_units` and :func:`check_optimizer`.
+
+PyTorch's documentation of the engines: `FSDP2 fully_shard
+<https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html>`__ and `FSDP1
+<https://docs.pytorch.org/docs/stable/fsdp.html>`__; the design is in the `PyTorch FSDP paper
+<https://arxiv.org/abs/2304.11277>`__.
 
 Examples:
     >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
@@ -32,6 +34,9 @@ Examples:
 
 from __future__ import annotations
 
+# Where each lives: _policy (policies), _engines (shard), _manual (wrapping, wrap), _build
+# (build_sharded), _activations (checkpoint_layers, saved_activation_bytes), _inspect
+# (describe, sharded_units), _optimizer_check (check_optimizer).
 from fsdp_guide.errors import EngineUnavailableError, MetaInitError, OptimizerMismatchError
 from fsdp_guide.wrap._activations import (
     CheckpointImplementation,

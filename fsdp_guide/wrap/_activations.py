@@ -131,7 +131,7 @@ def checkpoint_layers(
 
     Examples:
         >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
-        >>> from fsdp_guide.wrap._inspect import describe
+        >>> from fsdp_guide.wrap import describe
         >>> model = checkpoint_layers(TinyTransformer(TransformerConfig(n_layers=2)), Block)
         >>> print(describe(model, max_depth=2))
         (root): TinyTransformer

@@ -162,9 +162,9 @@ def shard(
 
         >>> import torch.distributed as dist
         >>> from fsdp_guide import dist_init, find_free_port
-        >>> from fsdp_guide.wrap._inspect import sharded_units
+        >>> from fsdp_guide.wrap import sharded_units
         >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
-        >>> from fsdp_guide.wrap._policy import LayerPolicy
+        >>> from fsdp_guide.wrap import LayerPolicy
         >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())
         >>> model = TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2))
         >>> model = shard(model, engine="fsdp2", policy=LayerPolicy(Block))

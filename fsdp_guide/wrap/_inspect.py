@@ -190,7 +190,7 @@ def sharded_units(
     """Each unit's qualified name mapped to ``(engine, parameter elements it manages)``.
 
     Examples:
-        >>> from fsdp_guide.wrap._policy import LayerPolicy
+        >>> from fsdp_guide.wrap import LayerPolicy
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
         >>> sharded_units(model, policy=LayerPolicy(nn.Linear))
         {'': ('planned', 0), '0': ('planned', 20), '2': ('planned', 10)}
@@ -217,7 +217,7 @@ def describe(
         ``[checkpointed]`` for checkpointed modules.
 
     Examples:
-        >>> from fsdp_guide.wrap._policy import SizePolicy
+        >>> from fsdp_guide.wrap import SizePolicy
         >>> model = nn.Sequential(nn.Linear(100, 100), nn.ReLU(), nn.Linear(100, 2))
         >>> print(describe(model, policy=SizePolicy(min_num_params=1000)))
         (root): Sequential  [unit: planned, 202 params]

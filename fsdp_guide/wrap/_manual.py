@@ -59,7 +59,7 @@ def wrapping(engine: Engine | str = "fsdp1", **engine_options: Any) -> Iterator[
 
         >>> import torch.distributed as dist
         >>> from fsdp_guide import dist_init, find_free_port
-        >>> from fsdp_guide.wrap._inspect import describe
+        >>> from fsdp_guide.wrap import describe
         >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
         >>> with wrapping(engine="fsdp2"):

@@ -86,7 +86,7 @@ def test_a_missing_extra_is_one_line_naming_the_fix(name: str) -> None:
         check_strategies(["ddp", name])
     message = str(info.value)
     assert "\n" not in message and f"strategy {name!r} needs the optional extra" in message
-    assert 'pip install -c requirements/constraints.txt "fsdp-guide[deepspeed]"' in message
+    assert 'pip install -c requirements/constraints.txt -e ".[deepspeed]"' in message
     # Planning needs no DeepSpeed.
     assert [s.name for s in check_strategies([name], installed=False)] == [name]
 
@@ -95,11 +95,14 @@ def test_a_missing_extra_is_one_line_naming_the_fix(name: str) -> None:
 def test_compare_refuses_before_any_rank_starts(capsys: pytest.CaptureFixture[str]) -> None:
     from fsdp_guide.compare import run_comparison
 
-    with pytest.raises(MissingRequirementError, match=r"fsdp-guide\[deepspeed\]"):
+    with pytest.raises(MissingRequirementError, match=r"-e \"\.\[deepspeed\]\""):
         run_comparison(["deepspeed_zero3"], progress=None)
     assert main(["compare", "--strategies", "deepspeed_zero1,deepspeed_zero2"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and 'pip install -c requirements/constraints.txt "fsdp' in err
+    assert (
+        err.count("\n") == 1
+        and 'pip install -c requirements/constraints.txt -e ".[deepspeed]"' in err
+    )
     assert main(["estimate", "--params", "1e9"]) == 0  # the formulas do not need it
 
 
