@@ -19,16 +19,18 @@ it with its own model and optimizer):
   FSDP, PyTorch FSDP1 and FSDP2, a DeepSpeed engine).
 
 A failure on any rank raises the same :class:`CheckpointError` on every rank, so no rank is
-left waiting and nothing is loaded halfway. The two formats, what loads where, and how files
-are written and read safely: :doc:`/guide/checkpoints`. PyTorch FSDP shards are written
-with `torch.distributed.checkpoint
+left waiting and nothing is loaded halfway. Every file is checked against a SHA-256, and a
+failed or killed save leaves nothing the next save does not remove. The two formats, what
+loads where, and how files are written and read safely: :doc:`/guide/checkpoints`. PyTorch
+FSDP shards are written with `torch.distributed.checkpoint
 <https://docs.pytorch.org/docs/stable/distributed.checkpoint.html>`__ (DCP), DeepSpeed's
 with its own `checkpointing <https://deepspeed.readthedocs.io/en/latest/model-checkpointing.html>`__.
 """
 
 from __future__ import annotations
 
-from fsdp_guide.checkpoint._api import consolidate, load, save
+from fsdp_guide.checkpoint._api import load, save
+from fsdp_guide.checkpoint._consolidate import consolidate
 from fsdp_guide.checkpoint._detect import Strategy, detect_strategy
 from fsdp_guide.checkpoint._into_shards import load_full_state_dict, read_full_state_dict
 from fsdp_guide.errors import CheckpointError

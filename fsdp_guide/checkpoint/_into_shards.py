@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_guide.checkpoint._dir import agree, attempt, rank_and_world
+from fsdp_guide.checkpoint._agree import agree, attempt, rank_and_world
 from fsdp_guide.checkpoint._io import FULL_FORMAT
 from fsdp_guide.errors import CheckpointError, MissingRequirementError
 

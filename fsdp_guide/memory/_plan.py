@@ -288,20 +288,50 @@ def _transient(
     return 0, "none known beyond the state"
 
 
-def recommend(plans: Sequence[Plan], gpu_memory: int, margin: float = 0.1) -> Plan | None:
-    """The plan that fits ``gpu_memory`` less the margin with the least communication per step.
+# How far each engine is from what its maintainers recommend for new code: PyTorch's DDP,
+# ZeroRedundancyOptimizer, FSDP2 and DeepSpeed are developed; FSDP1 is kept by PyTorch
+# but superseded by FSDP2 (its NO_SHARD already warns that it is deprecated); FairScale had
+# its last release in 2022. Engines not listed count as maintained.
+_MAINTENANCE: dict[str, int] = {"fsdp1": 1, "oss": 2, "sharded_ddp": 2, "fairscale_fsdp": 2}
 
-    Ties go to the least memory on the fullest rank, then to the first plan given.
+
+def maintenance_rank(strategy: str) -> int:
+    """0 for a maintained engine, 1 for a superseded one (FSDP1), 2 for FairScale's.
+
+    Examples:
+        >>> [maintenance_rank(s) for s in ("fsdp2", "ddp", "fsdp", "sharded_ddp")]
+        [0, 0, 1, 2]
+    """
+    try:
+        engine = get_strategy(strategy).engine
+    except ValueError:  # a name outside the catalog: nothing is known against it
+        return 0
+    return _MAINTENANCE.get(engine, 0)
+
+
+def recommend(plans: Sequence[Plan], gpu_memory: int, margin: float = 0.1) -> Plan | None:
+    """The plan that fits ``gpu_memory`` less the margin, maintained engines first.
+
+    Among the plans that fit, those on a maintained engine (DDP, ZeroRedundancyOptimizer,
+    FSDP2, DeepSpeed) come first, then FSDP1, then FairScale's;
+    within a rank, the least communication per step wins, then the least memory on the
+    fullest rank, then the first plan given.
 
     Examples:
         >>> from fsdp_guide.models import MLP
         >>> plans = [plan(MLP(), batch_size=8, seq_len=1, world_size=2, strategy=s)
-        ...          for s in ("ddp", "fsdp_no_shard", "fsdp")]
-        >>> recommend(plans, 10**9).strategy  # both all-reduce; NO_SHARD holds less
-        'fsdp_no_shard'
-        >>> recommend(plans, 2_600_000).strategy, recommend(plans, 10) is None
-        ('fsdp', True)
+        ...          for s in ("ddp", "sharded_ddp", "fsdp", "fsdp2")]
+        >>> recommend(plans, 10**9).strategy  # the least communication, and maintained
+        'ddp'
+        >>> recommend(plans, 2_600_000).strategy  # DDP no longer fits; FSDP2 before FSDP1
+        'fsdp2'
+        >>> recommend(plans, 10) is None
+        True
     """
     fitting = [p for p in plans if p.total <= gpu_memory * (1 - margin)]
     # min() keeps the first of equal keys: the order given breaks exact ties.
-    return min(fitting, key=lambda p: (p.communication.payload_bytes, p.total), default=None)
+    return min(
+        fitting,
+        key=lambda p: (maintenance_rank(p.strategy), p.communication.payload_bytes, p.total),
+        default=None,
+    )

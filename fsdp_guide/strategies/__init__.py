@@ -7,8 +7,12 @@ strategy names in Lightning's registry (see :mod:`fsdp_guide.strategies.registry
 - ``"ddp_sharded"``: :class:`DDPShardedStrategy` (OSS + ShardedDDP), ranks re-run the script;
   in a notebook it starts them with fork.
 - ``"ddp_sharded_notebook"`` / ``"ddp_sharded_fork"``: the same, ranks forked (notebooks).
-- ``"ddp_sharded_spawn"``: the same, ranks spawned.
+- ``"ddp_sharded_spawn"``: :class:`DDPSpawnShardedStrategy`, the same with ranks spawned
+  (Lightning 1.x's class name; in Lightning 2.x spawning is a start method of one class).
 - ``"ddp_fully_sharded"``: :class:`DDPFullyShardedStrategy` (FairScale FSDP, CUDA only).
+- Lightning 1.x's ``"ddp_sharded_find_unused_parameters_false"`` and
+  ``"ddp_sharded_spawn_find_unused_parameters_false"``: the first two (ShardedDDP never
+  looks for unused parameters).
 
 Lightning's documentation: `strategies <https://lightning.ai/docs/pytorch/stable/extensions/strategy.html>`__;
 its own PyTorch FSDP strategy, `FSDPStrategy
@@ -24,12 +28,14 @@ from fsdp_guide.strategies._precision import ShardedMixedPrecision, ShardedPreci
 from fsdp_guide.strategies.fully_sharded import DDPFullyShardedStrategy
 from fsdp_guide.strategies.registry import STRATEGY_NAMES, register_fairscale_strategies
 from fsdp_guide.strategies.sharded import DDPShardedStrategy
+from fsdp_guide.strategies.sharded_spawn import DDPSpawnShardedStrategy
 
 __all__ = [
     "STRATEGY_NAMES",
     "CPUFSDPStrategy",
     "DDPFullyShardedStrategy",
     "DDPShardedStrategy",
+    "DDPSpawnShardedStrategy",
     "ShardedMixedPrecision",
     "ShardedPrecision",
     "register_fairscale_strategies",

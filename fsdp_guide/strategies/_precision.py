@@ -10,6 +10,7 @@ FairScale's ``ShardedGradScaler``, which agrees on
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Literal
 
 from pytorch_lightning.plugins.precision import MixedPrecision, Precision
@@ -52,36 +53,69 @@ class ShardedPrecision(Precision):
             super().clip_grad_by_norm(optimizer, clip_val)
 
 
+# Lightning 1.x's spellings of the precision flag, as its sharded plugin took them.
+_LIGHTNING_1X_PRECISION: dict[object, str] = {
+    16: "16-mixed",
+    "16": "16-mixed",
+    "bf16": "bf16-mixed",
+    32: "32-true",
+    "32": "32-true",
+}
+MixedFlag = Literal["16-mixed", "bf16-mixed", "32-true", 16, "16", "bf16", 32, "32"]
+
+
 class ShardedMixedPrecision(MixedPrecision):
     """``torch.autocast`` mixed precision with a shard-aware grad scaler and clipping.
 
+    Lightning 1.x's ``ShardedNativeMixedPrecisionPlugin`` also took ``16``, ``"bf16"`` and
+    ``32``; they are accepted as ``"16-mixed"``, ``"bf16-mixed"`` and ``"32-true"``. At
+    ``"32-true"`` nothing is cast and there is no scaler: full precision, with the
+    shard-aware clipping (what :class:`ShardedPrecision` does).
+
     Args:
-        precision: ``"16-mixed"`` (CUDA only, scaled with ``ShardedGradScaler``) or
-            ``"bf16-mixed"`` (CPU or CUDA, no scaler).
+        precision: ``"16-mixed"`` (CUDA only, scaled with ``ShardedGradScaler``),
+            ``"bf16-mixed"`` (CPU or CUDA, no scaler) or ``"32-true"`` (no autocast, no
+            scaler), or the 1.x spellings above.
         device: ``"cuda"`` or ``"cpu"``.
         scaler: A scaler to use instead of a new ``ShardedGradScaler`` (fp16 only).
 
     Raises:
-        ValueError: For ``"16-mixed"`` on a device other than CUDA.
+        ValueError: For ``"16-mixed"`` on a device other than CUDA, or another precision.
 
     Examples:
         >>> ShardedMixedPrecision("bf16-mixed", "cpu").scaler is None
         True
+        >>> plugin = ShardedMixedPrecision(32, "cuda")  # as Lightning 1.x allowed
+        >>> plugin.precision, plugin.scaler
+        ('32-true', None)
     """
 
     sharded_model: nn.Module | None = None
 
-    def __init__(
-        self, precision: Literal["16-mixed", "bf16-mixed"], device: str, scaler: Any = None
-    ) -> None:
-        if precision == "16-mixed":
+    def __init__(self, precision: MixedFlag, device: str, scaler: Any = None) -> None:
+        flag = _LIGHTNING_1X_PRECISION.get(precision, precision)
+        if flag == "32-true":
+            if scaler is not None:
+                raise ValueError("precision 32 trains in full precision and takes no scaler")
+            # MixedPrecision refuses this flag; the plugin keeps its attributes, casting nothing.
+            self.precision = "32-true"
+            self.device = device
+            self.scaler = None
+            return
+        if flag == "16-mixed":
             if device != "cuda":
                 raise ValueError(_FP16_NEEDS_CUDA)
             if scaler is None:
                 from fairscale.optim.grad_scaler import ShardedGradScaler
 
                 scaler = ShardedGradScaler()
-        super().__init__(precision, device, scaler)
+        super().__init__(flag, device, scaler)  # type: ignore[arg-type]
+
+    def autocast_context_manager(self) -> Any:
+        """``torch.autocast`` for the 16-bit flags; no casting at all for ``"32-true"``."""
+        if self.precision == "32-true":
+            return contextlib.nullcontext()
+        return super().autocast_context_manager()
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip the global gradient norm (already unscaled), computed across all shards."""

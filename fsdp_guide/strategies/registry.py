@@ -17,6 +17,9 @@ STRATEGY_NAMES = (
     "ddp_sharded_fork",
     "ddp_sharded_notebook",
     "ddp_fully_sharded",
+    # Lightning 1.x's names, kept so that 1.x scripts run unchanged.
+    "ddp_sharded_find_unused_parameters_false",
+    "ddp_sharded_spawn_find_unused_parameters_false",
 )
 
 
@@ -37,18 +40,20 @@ def register_fairscale_strategies(registry: Any = None) -> list[str]:
         >>> registry = _StrategyRegistry()
         >>> register_fairscale_strategies(registry)  # doctest: +NORMALIZE_WHITESPACE
         ['ddp_sharded', 'ddp_sharded_spawn', 'ddp_sharded_fork', 'ddp_sharded_notebook',
-         'ddp_fully_sharded']
+         'ddp_fully_sharded', 'ddp_sharded_find_unused_parameters_false',
+         'ddp_sharded_spawn_find_unused_parameters_false']
         >>> registry.get("ddp_sharded_notebook")._start_method
         'fork'
     """
     from fsdp_guide.strategies.fully_sharded import DDPFullyShardedStrategy
     from fsdp_guide.strategies.sharded import DDPShardedStrategy
+    from fsdp_guide.strategies.sharded_spawn import DDPSpawnShardedStrategy
 
     if registry is None:
         from pytorch_lightning.strategies import StrategyRegistry
 
         registry = StrategyRegistry
-    ours = (DDPShardedStrategy, DDPFullyShardedStrategy)
+    ours = (DDPShardedStrategy, DDPSpawnShardedStrategy, DDPFullyShardedStrategy)
     for name in STRATEGY_NAMES:
         if name in registry and registry[name]["strategy"] not in ours:
             raise ValueError(

@@ -99,6 +99,9 @@ class DDPShardedStrategy(DDPStrategy):
         start_method: How ranks start: ``"popen"`` re-runs the script (the default, like
             Lightning's ``"ddp"``), ``"spawn"``, or ``"fork"`` (notebooks). In an
             interactive session ``"popen"`` cannot work and ``"fork"`` is used instead.
+        find_unused_parameters: Only ``False``, what Lightning 1.x's
+            ``"ddp_sharded_find_unused_parameters_false"`` passed: ShardedDDP never looks
+            for unused parameters.
         **kwargs: Passed to FairScale's ``ShardedDataParallel``
             (``broadcast_buffers``, ``reduce_buffer_size``, ``reduce_fp16``, ...). Unless
             given, ``reduce_buffer_size`` is ``0`` on one node (no reduce buckets: each
@@ -107,6 +110,7 @@ class DDPShardedStrategy(DDPStrategy):
 
     Raises:
         TypeError: For a keyword argument ShardedDataParallel does not take.
+        ValueError: For ``find_unused_parameters=True``.
 
     Examples:
         >>> strategy = DDPShardedStrategy(reduce_buffer_size=0)
@@ -118,10 +122,10 @@ class DDPShardedStrategy(DDPStrategy):
         >>> strategy.num_nodes = 2  # what Trainer(num_nodes=2) sets
         >>> strategy.sharded_ddp_options()
         {'reduce_buffer_size': 8388608}
-        >>> DDPShardedStrategy(find_unused_parameters=True)
+        >>> DDPShardedStrategy(broadcast_buffer=False)
         Traceback (most recent call last):
         ...
-        TypeError: DDPShardedStrategy got unknown argument(s) ['find_unused_parameters']; ...
+        TypeError: DDPShardedStrategy got unknown argument(s) ['broadcast_buffer']; ...
     """
 
     strategy_name = "ddp_sharded"
@@ -140,10 +144,18 @@ class DDPShardedStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
+        find_unused_parameters: bool = False,
         **kwargs: Any,
     ) -> None:
         from fairscale.nn.data_parallel import ShardedDataParallel
 
+        if find_unused_parameters:
+            raise ValueError(
+                f"{type(self).__name__}: ShardedDataParallel cannot look for unused parameters "
+                "(find_unused_parameters=True); every trainable parameter must get a gradient "
+                "each step. Freeze the parameters a step does not use, or use Lightning's "
+                "strategy='ddp_find_unused_parameters_true'"
+            )
         check_extra_kwargs(
             kwargs,
             ShardedDataParallel.__init__,
@@ -161,6 +173,9 @@ class DDPShardedStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.sharded_ddp_kwargs: dict[str, Any] = dict(kwargs)
+        # Lightning 1.x's *_find_unused_parameters_false names passed it; it is what
+        # ShardedDDP always does.
+        self.find_unused_parameters = False
 
     def _configure_launcher(self) -> None:
         check_sharded_precision(self.precision_plugin)  # before any rank starts
@@ -276,10 +291,14 @@ class DDPShardedStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Add ``ddp_sharded`` and its ``_spawn``/``_fork``/``_notebook`` variants."""
+        """Add ``ddp_sharded``, its ``_fork``/``_notebook`` variants and a Lightning 1.x name.
+
+        ``"ddp_sharded_find_unused_parameters_false"`` is Lightning 1.x's name for the same
+        strategy; the ``_spawn`` names belong to
+        :class:`~fsdp_guide.strategies.DDPSpawnShardedStrategy`.
+        """
         for name, start_method in (
             ("ddp_sharded", "popen"),
-            ("ddp_sharded_spawn", "spawn"),
             ("ddp_sharded_fork", "fork"),
             ("ddp_sharded_notebook", "fork"),
         ):
@@ -290,3 +309,11 @@ class DDPShardedStrategy(DDPStrategy):
                 override=True,
                 start_method=start_method,
             )
+        strategy_registry.register(
+            "ddp_sharded_find_unused_parameters_false",
+            cls,
+            description="Lightning 1.x's name of 'ddp_sharded' (ShardedDDP never looks for "
+            "unused parameters)",
+            override=True,
+            find_unused_parameters=False,
+        )

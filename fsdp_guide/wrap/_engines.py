@@ -109,7 +109,7 @@ def _has_units(module: nn.Module) -> bool:
 
 def shard(
     module: nn.Module,
-    engine: Engine | str = "fsdp1",
+    engine: Engine | str = "fsdp2",
     policy: WrapPolicy | None = None,
     **engine_options: Any,
 ) -> nn.Module:
@@ -128,9 +128,11 @@ def shard(
 
     Args:
         module: The model; every rank must build it with the same weights.
-        engine: ``"fsdp1"`` (PyTorch FSDP1), ``"fsdp2"`` (``fully_shard`` on a 1-D device
-            mesh over all ranks) or ``"fairscale_fsdp"`` (CUDA and NCCL only); ``"torch"``
-            and ``"fairscale"`` are older names of the first and last. Each runs on
+        engine: ``"fsdp2"`` (the default: ``fully_shard`` on a 1-D device mesh over all
+            ranks, what PyTorch recommends for new code), ``"fsdp1"`` (PyTorch's
+            ``FullyShardedDataParallel``, kept for existing code) or ``"fairscale_fsdp"``
+            (CUDA and NCCL only; FairScale is no longer developed); ``"torch"`` and
+            ``"fairscale"`` are older names of ``"fsdp1"`` and ``"fairscale_fsdp"``. Each runs on
             :func:`~fsdp_guide.launcher.rank_device`: the rank's GPU under NCCL, the CPU
             under gloo.
         policy: Which submodules become units of their own.

@@ -36,7 +36,7 @@ _ACTIVE: ContextVar[_WrapContext | None] = ContextVar("fsdp_guide_wrap_context",
 
 
 @contextlib.contextmanager
-def wrapping(engine: Engine | str = "fsdp1", **engine_options: Any) -> Iterator[None]:
+def wrapping(engine: Engine | str = "fsdp2", **engine_options: Any) -> Iterator[None]:
     """Make :func:`wrap` shard modules with ``engine`` and ``engine_options`` inside the block.
 
     For ``"fsdp1"`` and ``"fairscale_fsdp"`` this also enters the library's own ``enable_wrap``
@@ -45,8 +45,8 @@ def wrapping(engine: Engine | str = "fsdp1", **engine_options: Any) -> Iterator[
     inside the block, or :func:`~fsdp_guide.wrap.shard` with no policy after it).
 
     Args:
-        engine: ``"fsdp1"``, ``"fsdp2"`` or ``"fairscale_fsdp"`` (or the older ``"torch"``
-            and ``"fairscale"``).
+        engine: ``"fsdp2"`` (the default, as for :func:`~fsdp_guide.wrap.shard`), ``"fsdp1"``
+            or ``"fairscale_fsdp"`` (or the older ``"torch"`` and ``"fairscale"``).
         **engine_options: As for :func:`fsdp_guide.wrap.shard`.
 
     Raises:

@@ -176,30 +176,52 @@ def test_no_shard_counts_the_gradients_it_flattens() -> None:
 
 
 @pytest.mark.parametrize("dim", [64, 768], ids=["small", "gpt2_width"])
-def test_recommendation_is_least_communication_then_least_memory(dim: int) -> None:
+def test_recommendation_is_maintained_then_least_communication_then_least_memory(
+    dim: int,
+) -> None:
     cfg = TransformerConfig(vocab_size=512, dim=dim, n_heads=4, n_layers=2, seq_len=16)
     names = cpu_strategies()
     saved = traced_activation_bytes(TinyTransformer(cfg), 1, 16)
     plans = [plan(lambda: TinyTransformer(cfg), batch_size=1, seq_len=16, world_size=4,
                   strategy=n, activations=saved) for n in names]  # fmt: skip
     by_name = {p.strategy: p for p in plans}
-    # DDP and NO_SHARD both all-reduce every gradient: only memory can tell them apart.
-    ddp, no_shard = by_name["ddp"], by_name["fsdp_no_shard"]
-    assert ddp.communication.payload_bytes == no_shard.communication.payload_bytes
-    assert ddp.total != no_shard.total
-    best = recommend([ddp, no_shard], 10**12)
-    assert best is (ddp if ddp.total < no_shard.total else no_shard)
-    # Among all: the least communication wins, whatever its memory; the memory decides ties.
-    best = recommend(plans, 10**12)
-    assert best is not None
-    least = min(p.communication.payload_bytes for p in plans)
-    tied = [p for p in plans if p.communication.payload_bytes == least]
-    assert best.total == min(p.total for p in tied)
-    # What does not fit is out, however little it communicates.
-    room = sorted({p.total for p in plans})[1]
+    # DDP and FSDP2 are maintained, so they come before the rest whatever they send.
+    ddp, fsdp2 = by_name["ddp"], by_name["fsdp2"]
+    assert recommend(plans, 10**12) is ddp  # everything fits: the least communication
+    assert recommend([by_name["sharded_ddp"], by_name["fsdp"], fsdp2], 10**12) is fsdp2
+    # Within one maintenance rank: the least communication, then the least memory.
+    fairscale = [by_name[n] for n in ("oss", "sharded_ddp", "sharded_ddp_buckets")]
+    best = recommend(fairscale, 10**12)
+    least = min(p.communication.payload_bytes for p in fairscale)
+    tied = [p for p in fairscale if p.communication.payload_bytes == least]
+    assert best is not None and best.total == min(p.total for p in tied)
+    # DDP and NO_SHARD both all-reduce every gradient; NO_SHARD is FSDP1, so DDP goes first.
+    assert ddp.communication.payload_bytes == by_name["fsdp_no_shard"].communication.payload_bytes
+    assert recommend([by_name["fsdp_no_shard"], ddp], 10**12) is ddp
+    # What does not fit is out, however maintained it is.
+    room = fsdp2.total - 1
     best = recommend(plans, room, margin=0)
-    assert best is not None and best.total <= room
+    assert best is not None and best.total <= room and best is not fsdp2
     assert recommend(plans, min(p.total for p in plans) - 1, margin=0) is None
+
+
+@pytest.mark.parametrize("world_size", [8, 64])
+def test_seven_billion_parameters_get_a_maintained_engine(world_size: int) -> None:
+    # The "Will it fit?" case: FairScale's ShardedDDP holds little and sends as little as
+    # any ZeRO-2, which made it the pick while the rule looked only at bytes.
+    cfg = TransformerConfig(vocab_size=32000, dim=4096, n_heads=32, n_layers=32, seq_len=4096)
+    with torch.device("meta"):
+        model = TinyTransformer(cfg)
+    saved = traced_activation_bytes(
+        model, 1, cfg.seq_len, precision="mixed", activation_checkpointing="blocks"
+    )
+    names = ("ddp", "zero1", "sharded_ddp", "fsdp_grad_op", "fsdp", "fsdp2")
+    plans = [plan(model, batch_size=1, seq_len=cfg.seq_len, world_size=world_size, strategy=n,
+                  precision="mixed", activation_checkpointing="blocks", activations=saved)
+             for n in names]  # fmt: skip
+    best = recommend(plans, 80 * 10**9)
+    assert best is not None and best.strategy in ("ddp", "zero1", "fsdp2")
+    assert recommend([p for p in plans if p.strategy != "zero1"], 80 * 10**9).strategy == "fsdp2"
 
 
 def test_exact_ties_go_to_the_first_plan_given() -> None:

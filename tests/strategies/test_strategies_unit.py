@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from fsdp_guide.strategies import (
     STRATEGY_NAMES,
     DDPFullyShardedStrategy,
     DDPShardedStrategy,
+    DDPSpawnShardedStrategy,
     ShardedMixedPrecision,
     ShardedPrecision,
     register_fairscale_strategies,
@@ -33,10 +35,12 @@ from fsdp_guide.strategies.fully_sharded import USE_TRAINER_MODEL
     ("name", "cls", "start_method"),
     [
         ("ddp_sharded", DDPShardedStrategy, "popen"),
-        ("ddp_sharded_spawn", DDPShardedStrategy, "spawn"),
+        ("ddp_sharded_spawn", DDPSpawnShardedStrategy, "spawn"),
         ("ddp_sharded_fork", DDPShardedStrategy, "fork"),
         ("ddp_sharded_notebook", DDPShardedStrategy, "fork"),
         ("ddp_fully_sharded", DDPFullyShardedStrategy, "popen"),
+        ("ddp_sharded_find_unused_parameters_false", DDPShardedStrategy, "popen"),
+        ("ddp_sharded_spawn_find_unused_parameters_false", DDPSpawnShardedStrategy, "spawn"),
     ],
 )
 def test_registered_in_lightning(name: str, cls: type, start_method: str) -> None:
@@ -59,15 +63,52 @@ def test_registration_is_idempotent_and_refuses_foreign_names() -> None:
         register_fairscale_strategies(foreign)
 
 
-def test_the_differences_the_migration_guide_lists() -> None:
-    # docs/guide/migration.md, "What stays as in 1.x, and what differs on purpose".
-    for gone in (
-        "ddp_sharded_find_unused_parameters_false",
-        "ddp_sharded_spawn_find_unused_parameters_false",
-    ):
-        assert gone not in StrategyRegistry
-    spawn = StrategyRegistry.get("ddp_sharded_spawn")
-    assert type(spawn) is DDPShardedStrategy and spawn.strategy_name == "ddp_sharded"
+# Lightning 1.x's registry test (pytorch_lightning/tests/strategies/test_registry.py), with
+# our classes: a 1.x script that names these strategies runs unchanged.
+@pytest.mark.parametrize(
+    ("name", "cls", "init_params"),
+    [
+        (
+            "ddp_sharded_spawn_find_unused_parameters_false",
+            DDPSpawnShardedStrategy,
+            {"find_unused_parameters": False},
+        ),
+        (
+            "ddp_sharded_find_unused_parameters_false",
+            DDPShardedStrategy,
+            {"find_unused_parameters": False},
+        ),
+    ],
+)
+def test_lightning_1x_find_unused_parameters_false_names(
+    tmp_path: Path, name: str, cls: type, init_params: dict[str, Any]
+) -> None:
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, strategy=name, accelerator="cpu", devices=2, logger=False
+    )
+    assert isinstance(trainer.strategy, cls)
+    assert name in StrategyRegistry
+    assert StrategyRegistry[name]["init_params"] == init_params
+    assert StrategyRegistry[name]["strategy"] == cls
+    # What the name meant: ShardedDDP with its usual options (it never searches for unused
+    # parameters, so nothing about them reaches it).
+    assert trainer.strategy.sharded_ddp_options() == {"reduce_buffer_size": 0}
+
+
+def test_ddp_spawn_sharded_strategy_is_the_spawn_variant_under_its_1x_name() -> None:
+    strategy = DDPSpawnShardedStrategy(reduce_buffer_size=2**20)
+    assert isinstance(strategy, DDPShardedStrategy)
+    assert (strategy.strategy_name, strategy._start_method) == ("ddp_sharded_spawn", "spawn")
+    assert strategy.sharded_ddp_kwargs == {"reduce_buffer_size": 2**20}
+    trainer = pl.Trainer(strategy="ddp_sharded_spawn", accelerator="cpu", devices=2, logger=False)
+    assert type(trainer.strategy) is DDPSpawnShardedStrategy
+    with pytest.raises(ValueError, match="use DDPShardedStrategy"):
+        DDPSpawnShardedStrategy(start_method="popen")
+
+
+def test_find_unused_parameters_true_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="cannot look for unused.*ddp_find_unused_parameters_true"):
+        DDPShardedStrategy(find_unused_parameters=True)
 
 
 def test_trainer_accepts_the_string_name() -> None:
@@ -84,11 +125,6 @@ def test_trainer_accepts_the_string_name() -> None:
 @pytest.mark.parametrize(
     ("cls", "kwargs", "match"),
     [
-        (
-            DDPShardedStrategy,
-            {"find_unused_parameters": True},
-            r"unknown argument\(s\) \['find_unused",
-        ),
         (DDPShardedStrategy, {"sharded_optimizer": []}, "unknown argument"),
         (DDPFullyShardedStrategy, {"offload": True}, r"unknown argument\(s\) \['offload'\]"),
         (DDPFullyShardedStrategy, {"move_params_to_cpu": True}, "unknown argument"),
@@ -208,6 +244,42 @@ def test_unsupported_precision_is_refused(precision: str) -> None:
 def test_fp16_needs_cuda() -> None:
     with pytest.raises(ValueError, match="use precision='bf16-mixed' on CPU"):
         ShardedMixedPrecision("16-mixed", "cpu")
+
+
+# Lightning 1.x's precision test (lightning-fairscale tests/test_sharded_precision.py): its
+# plugin took 16, "bf16" and 32, and made a ShardedGradScaler for 16 only. (On a machine
+# without CUDA the fp16 scaler is built disabled, with a warning.)
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize(
+    ("precision", "scaler", "expected"),
+    [
+        (16, torch.amp.GradScaler("cpu"), torch.amp.GradScaler),
+        (16, None, "ShardedGradScaler"),
+        ("bf16", None, None),
+        (32, None, None),
+    ],
+)
+def test_lightning_1x_precision_flags(precision: Any, scaler: Any, expected: Any) -> None:
+    plugin = ShardedMixedPrecision(precision=precision, scaler=scaler, device="cuda")
+    if expected is None:
+        assert not plugin.scaler
+    elif isinstance(expected, str):
+        assert type(plugin.scaler).__name__ == expected
+    else:
+        assert isinstance(plugin.scaler, expected)
+
+
+@pytest.mark.parametrize("precision", [32, "32", "32-true"])
+def test_precision_32_casts_nothing(precision: Any) -> None:
+    plugin = ShardedMixedPrecision(precision, "cpu")
+    assert (plugin.precision, plugin.scaler) == ("32-true", None)
+    layer = nn.Linear(4, 4)
+    with plugin.forward_context():
+        assert layer(torch.ones(2, 4)).dtype == torch.float32
+    assert to_sharded_precision(plugin) is plugin
+    with pytest.raises(ValueError, match="takes no scaler"):
+        ShardedMixedPrecision(32, "cuda", scaler=torch.amp.GradScaler("cpu"))
 
 
 def test_optimizer_without_sharded_params_names_the_fix() -> None:

@@ -182,6 +182,17 @@ def test_manual_wrap_inside_block_and_no_op_after(engine: str) -> None:
 
 
 @pytest.mark.usefixtures("one_rank_group")
+def test_the_default_engine_is_fsdp2_the_one_pytorch_maintains() -> None:
+    # FSDP1 and FairScale are taught for existing code; what a call without an engine builds
+    # is what new code should use.
+    model = shard(build(), policy=LayerPolicy(Block))
+    assert {engine for engine, _ in sharded_units(model).values()} == {"fsdp2"}
+    with wrapping():
+        manual = wrap(build())
+    assert {engine for engine, _ in sharded_units(manual).values()} == {"fsdp2"}
+
+
+@pytest.mark.usefixtures("one_rank_group")
 def test_wrapping_blocks_do_not_nest() -> None:
     with (
         wrapping(engine="fsdp2"),
