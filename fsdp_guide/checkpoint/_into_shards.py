@@ -4,14 +4,17 @@ PyTorch gives the collective half: ``set_model_state_dict(model, state, options=
 StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))`` sends each tensor of
 rank 0's full state dict to every rank, which keeps only its shard. What it leaves to the
 caller is reading the file on rank 0 alone (a ``torch.save`` file, mapped rather than read,
-or a ``.safetensors`` file), refusing a file of the wrong keys or shapes on every rank at
-once instead of hanging the others in a broadcast, and the ``weights_only`` read.
+or a ``.safetensors`` file), checking its bytes first (the SHA-256 a full checkpoint of
+:func:`~fsdp_guide.checkpoint.save` carries, else the CRC-32s ``torch.save`` writes),
+refusing a file of the wrong keys or shapes on every rank at once instead of hanging the
+others in a broadcast, and the ``weights_only`` read.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import warnings
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_guide.checkpoint import _digest
 from fsdp_guide.checkpoint._agree import agree, attempt, rank_and_world
 from fsdp_guide.checkpoint._io import FULL_FORMAT
 from fsdp_guide.errors import CheckpointError, MissingRequirementError
@@ -47,9 +51,14 @@ def _read_torch(path: Path) -> Any:
             f"{path} is truncated or not a torch.save file (not a zip archive); nothing in "
             "it was unpickled"
         )
+    # Before anything is unpickled: the stored SHA-256, or in a file without one (any plain
+    # torch.save file) the zip's CRC-32s; changed bytes would otherwise load as other weights.
+    with warnings.catch_warnings(record=True) as unsealed:
+        warnings.simplefilter("always")
+        _digest.verify(path)
     try:
         # Mapped, not read: the tensors stay in the file's pages until they are sent.
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
             f"refused to load {path}: it carries pickled objects other than tensors and "
@@ -57,10 +66,19 @@ def _read_torch(path: Path) -> Any:
         ) from exc
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise CheckpointError(f"{path} is truncated or corrupt: {exc}") from exc
+    if isinstance(loaded, Mapping) and loaded.get("format") == FULL_FORMAT:
+        for warning in unsealed:  # a full checkpoint saved before digests: say how to add one
+            warnings.warn(warning.message, stacklevel=4)
+    return loaded
 
 
 def read_full_state_dict(source: Source) -> dict[str, torch.Tensor]:
     """The full state dict in ``source``, read safely in this process.
+
+    A file's bytes are checked before anything in it is unpickled: against the SHA-256 that a
+    full checkpoint of :func:`~fsdp_guide.checkpoint.save` stores in it, or, in a plain
+    ``torch.save`` file, against the CRC-32 of each member. A ``.safetensors`` file carries
+    no checksum; its header and sizes are checked as it is read.
 
     Args:
         source: A ``.safetensors`` file; a ``torch.save`` file of a state dict, or of a full
@@ -71,8 +89,9 @@ def read_full_state_dict(source: Source) -> dict[str, torch.Tensor]:
         Parameter and buffer names mapped to CPU tensors.
 
     Raises:
-        CheckpointError: A missing or unreadable file, pickled code, or anything but a
-            mapping of names to tensors.
+        CheckpointError: A missing, unreadable or changed file (bytes that do not match its
+            digest or checksums), pickled code, or anything but a mapping of names to
+            tensors.
         MissingRequirementError: A ``.safetensors`` file without the safetensors package.
 
     Examples:
@@ -136,13 +155,14 @@ def load_full_state_dict(
     """Load full (unsharded) weights into a sharded model; only rank 0 reads them.
 
     Collective: every rank calls it with its own model (FSDP2 or FSDP1, or a plain module or
-    DDP). Rank 0 reads ``source`` (see :func:`read_full_state_dict`; other ranks may pass
-    ``None``) and checks names and shapes against the model; then PyTorch's
-    ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`` sends
-    the tensors one by one. Into FSDP2 each rank copies its shard out of each as it comes:
-    no rank but 0 holds the whole model. Into FSDP1, torch keeps every received tensor until
-    all have come, then loads them through FSDP1's full state dict: each rank holds the whole
-    state dict for a while (measured in lesson 11).
+    DDP). Rank 0 reads ``source`` (see :func:`read_full_state_dict`: its bytes verified
+    first; other ranks may pass ``None``) and checks names and shapes against the model;
+    then PyTorch's ``set_model_state_dict(..., full_state_dict=True,
+    broadcast_from_rank0=True)`` sends the tensors one by one. Into FSDP2 each rank copies
+    its shard out of each as it comes: no rank but 0 holds the whole model. Into FSDP1,
+    torch keeps every received tensor until all have come, then loads them through FSDP1's
+    full state dict: each rank holds the whole state dict for a while (measured in lesson
+    11).
 
     Args:
         model: The model on this rank.
@@ -153,8 +173,9 @@ def load_full_state_dict(
         ``{"tensors": n, "bytes": b}`` of what rank 0 read.
 
     Raises:
-        CheckpointError: On every rank, when rank 0 cannot read ``source`` or it does not
-            fit the model; nothing has been loaded then.
+        CheckpointError: On every rank, when rank 0 cannot read ``source``, its bytes
+            changed since it was written, or it does not fit the model; nothing has been
+            loaded then.
 
     Examples:
         In one process (a plain module):

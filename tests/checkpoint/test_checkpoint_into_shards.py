@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,24 @@ def _truncated(tmp_path: Path) -> Path:
     return path
 
 
+def _flip_a_weight_byte(path: Path, weight: torch.Tensor) -> Path:
+    """One bit of ``weight``'s bytes changed in the file (the zip still reads)."""
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(weight.numpy().tobytes()[:64]) + 5] ^= 1
+    path.write_bytes(bytes(raw))
+    return path
+
+
+def _flipped_full_checkpoint(tmp_path: Path) -> Path:
+    state = weights()
+    return _flip_a_weight_byte(write(tmp_path / "checkpoint.pt", state), state["head.weight"])
+
+
+def _flipped_plain_file(tmp_path: Path) -> Path:
+    state = weights()
+    return _flip_a_weight_byte(write(tmp_path / "w.pt", state), state["head.weight"])
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
@@ -93,8 +112,10 @@ def _truncated(tmp_path: Path) -> Path:
         (_code, "pickled objects other than tensors"),
         (_truncated, "truncated"),
         (lambda tmp_path: tmp_path / "absent.pt", "does not exist"),
+        (_flipped_full_checkpoint, "checkpoint.pt does not match the SHA-256 stored in it"),
+        (_flipped_plain_file, r"w.pt does not match the CRC-32 of \S+/data/"),
     ],
-    ids=["shapes", "missing", "code", "truncated", "absent"],
+    ids=["shapes", "missing", "code", "truncated", "absent", "flipped-full", "flipped-plain"],
 )
 def test_a_file_that_does_not_fit_is_refused_on_every_rank(
     tmp_path: Path, make: Any, message: str, capfd: pytest.CaptureFixture[str]
@@ -124,3 +145,16 @@ def test_a_training_checkpoint_is_not_a_state_dict(tmp_path: Path) -> None:
         read_full_state_dict(path)
     with pytest.raises(CheckpointError, match="rank 0 needs a source"):
         load_full_state_dict(nn.Linear(2, 2), None)
+
+
+def test_a_full_checkpoint_without_a_digest_loads_with_a_warning(tmp_path: Path) -> None:
+    path = write(tmp_path / "checkpoint.pt", weights(7))
+    payload = torch.load(path, weights_only=True)
+    torch.save(payload, path)  # the same checkpoint as an earlier fsdp_guide wrote it
+    with pytest.warns(UserWarning, match="carries no SHA-256"):
+        loaded = read_full_state_dict(path)
+    assert all(torch.equal(v, weights(7)[k]) for k, v in loaded.items())
+    torch.save(weights(7), path)  # a plain state dict: its CRC-32s suffice, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        read_full_state_dict(path)
