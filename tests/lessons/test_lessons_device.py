@@ -185,6 +185,7 @@ CASES: list[tuple[str, str, tuple[Any, ...]]] = [
     ("12_sharded_checkpoints.ipynb", "save_both", ("fsdp2",)),
     ("12_sharded_checkpoints.ipynb", "deepspeed_save", ()),
     ("12_sharded_checkpoints.ipynb", "crash_second_save", ("dcp.save",)),
+    ("12_sharded_checkpoints.ipynb", "save_step_3", (False,)),
 ]
 
 
