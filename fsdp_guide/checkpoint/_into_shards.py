@@ -73,7 +73,7 @@ def _read_torch(path: Path) -> Any:
 
 
 def read_full_state_dict(source: Source) -> dict[str, torch.Tensor]:
-    """The full state dict in ``source``, read safely in this process.
+    """The full state dict in ``source``, read safely.
 
     A file's bytes are checked before anything in it is unpickled: against the SHA-256 that a
     full checkpoint of :func:`~fsdp_guide.checkpoint.save` stores in it, or, in a plain
@@ -152,7 +152,7 @@ def _mismatch(
 def load_full_state_dict(
     model: nn.Module, source: Source | None, *, strict: bool = True
 ) -> dict[str, int]:
-    """Load full (unsharded) weights into a sharded model; only rank 0 reads them.
+    """Load full weights into a sharded model, read by rank 0 alone.
 
     Collective: every rank calls it with its own model (FSDP2 or FSDP1, or a plain module or
     DDP). Rank 0 reads ``source`` (see :func:`read_full_state_dict`: its bytes verified
