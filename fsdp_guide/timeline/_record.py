@@ -12,6 +12,7 @@ an FSDP shard from any other pre-existing tensor; and each collective runs insid
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -199,6 +200,12 @@ def record_step(
     profiler = torch.profiler.profile(
         activities=activities, profile_memory=True, record_shapes=True, with_stack=True
     )
+    # The cyclic garbage collector runs when allocation counts say so, freeing tensors held
+    # in reference cycles (autograd graphs, FSDP's hooks) at moments that differ from run to
+    # run: off during the step, so the same step allocates the same bytes every time.
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     with _native_stderr_closed():
         profiler.start()
     try:
@@ -212,6 +219,8 @@ def record_step(
     finally:
         with _native_stderr_closed():
             profiler.stop()
+        if gc_was_enabled:
+            gc.enable()
     with tempfile.TemporaryDirectory() as tmp:
         memory = os.path.join(tmp, "memory.json")
         trace = os.fspath(trace_path) if trace_path else os.path.join(tmp, "trace.json")
