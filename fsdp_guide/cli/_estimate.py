@@ -10,6 +10,7 @@ from fsdp_guide.cli._args import (
     count,
     fraction,
     import_path,
+    input_spec,
     int_at_least,
     key_value,
     positive_size,
@@ -41,7 +42,31 @@ def add_parser(sub: Any) -> None:
         "--model",
         type=import_path,
         help="plan a real model, built by package.module:builder on the meta device "
-        "(activations traced, nothing allocated), e.g. fsdp_guide.models:TinyTransformer",
+        "(activations traced, nothing allocated), e.g. fsdp_guide.models:TinyTransformer; "
+        "the builder may return a transformers model",
+    )
+    what.add_argument(
+        "--hf",
+        metavar="TYPE",
+        help="plan a transformers model built from its config class, offline: a model type "
+        "(llama, gpt2, bert, t5, vit, ...) with its usual head, or a class name such as "
+        "LlamaForSequenceClassification; set config fields with --hf-arg",
+    )
+    p.add_argument(
+        "--hf-arg",
+        type=key_value,
+        action="append",
+        metavar="FIELD=VALUE",
+        help="config field of --hf (repeat it), e.g. hidden_size=8192",
+    )
+    p.add_argument(
+        "--input",
+        type=input_spec,
+        action="append",
+        metavar="NAME:DTYPE[DIMS]",
+        help="state an input of the model's forward (repeat it; replaces the batch read from "
+        "the model), e.g. input_ids:int64[B,S]; B is --batch-size, S --seq-len; a labels "
+        "input makes the model compute its own loss",
     )
     p.add_argument(
         "--model-arg",
@@ -52,7 +77,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--batch-size", type=int_at_least(1), default=1, help="samples per rank")
     p.add_argument(
-        "--seq-len", type=int_at_least(1), default=None, help="tokens per sample (model's)"
+        "--seq-len",
+        type=int_at_least(1),
+        default=None,
+        help="tokens per sample; default: the longest the model takes (512 without a limit)",
     )
     p.add_argument(
         "--strategy", type=catalog_names, default=None, help="strategies to plan; default all"
@@ -63,7 +91,8 @@ def add_parser(sub: Any) -> None:
         const="blocks",
         default=None,
         metavar="LAYER",
-        help="checkpoint each Block, or each module of package.module:Class",
+        help="checkpoint each block (the repeated layer of the model), or each module of "
+        "package.module:Class",
     )
     p.add_argument(
         "--margin", type=fraction, default=0.1, help="share of GPU memory kept free; default 0.1"
@@ -75,7 +104,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--precision", choices=get_args(Precision), default="mixed")
     p.add_argument("--optimizer", choices=get_args(OptimizerName), default="adam")
     p.add_argument(
-        "--gpu-memory", type=positive_size, default=None, help="memory per GPU, e.g. 80GB"
+        "--gpu-memory",
+        type=positive_size,
+        default=None,
+        help="memory per GPU with its unit: 80GB (10^9 bytes) or 80GiB (2^30 bytes)",
     )
     p.set_defaults(func=_run)
 
@@ -109,7 +141,7 @@ def estimate_table(
         3      + parameters     fsdp, fsdp2, fairscale_fsdp, deepspeed_zero3  0.23 GB   0.23 GB ...
     """
     from fsdp_guide.compare import text_table
-    from fsdp_guide.memory import bytes_per_param, estimate_model_state, format_bytes
+    from fsdp_guide.memory import bytes_per_param, estimate_model_state
 
     per = bytes_per_param(precision, optimizer)  # type: ignore[arg-type]
     header = ["stage", "shards", "strategies", "params", "grads", "optimizer", "total"]
@@ -120,8 +152,8 @@ def estimate_table(
         names = _strategies_of_stage(stage)
         state = estimate_model_state(num_params, world_size, stage, precision, optimizer)  # type: ignore[arg-type]
         cells = [str(stage), shards, names]
-        cells += [format_bytes(b, "GB") for b in (state.params, state.grads, state.optimizer)]
-        cells.append(format_bytes(state.total, "GB"))
+        cells += [readable(b, "GB") for b in (state.params, state.grads, state.optimizer)]
+        cells.append(readable(state.total, "GB"))
         if gpu_memory is not None:
             cells.append("yes" if state.total <= gpu_memory else "no")
         rows.append(cells)
@@ -132,8 +164,23 @@ def estimate_table(
     return "\n".join([title, text_table(rows)])
 
 
+def readable(num_bytes: float, unit: str) -> str:
+    """``num_bytes`` in ``unit``, or in the unit that shows it when it would print as 0.00.
+
+    Examples:
+        >>> readable(2.5e9, "GB"), readable(3_000_000, "GB"), readable(0, "GB")
+        ('2.50 GB', '3.00 MB', '0.00 GB')
+    """
+    from fsdp_guide.memory import format_bytes
+
+    text = format_bytes(num_bytes, unit)
+    if num_bytes and text.startswith(("0.00 ", "-0.00 ")):
+        return format_bytes(num_bytes)
+    return text
+
+
 def _run(args: argparse.Namespace) -> int:
-    if args.model is not None:
+    if args.model is not None or args.hf is not None:
         from fsdp_guide.cli._estimate_model import run_model
 
         return run_model(args)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsdp_guide.errors import CommandError
@@ -36,12 +38,24 @@ def load_builder(path: str, kwargs: dict[str, Any]) -> Callable[[], Any]:
     return lambda: builder(**kwargs)
 
 
-def _checkpointing(value: str | None) -> Any:
-    """``None``, ``"blocks"``, or the Module class that ``package.module:Class`` names."""
+def _checkpointing(value: str | None, model: Any) -> Any:
+    """``None``, ``"blocks"`` (the model's repeated block), or ``package.module:Class``."""
     from torch import nn
 
-    if value is None or value == "blocks":
-        return value
+    from fsdp_guide.models import Block
+
+    if value is None:
+        return None
+    if value == "blocks":
+        if any(isinstance(m, Block) for m in model.modules()):
+            return "blocks"
+        block = repeated_block(model)
+        if block is None:
+            raise CommandError(
+                f"{type(model).__name__} has no repeated block to checkpoint; name its layer "
+                "class: --activation-checkpointing package.module:Class"
+            )
+        return block
     module_name, colon, name = value.partition(":")
     try:
         layer = getattr(importlib.import_module(module_name), name, None) if colon else None
@@ -55,28 +69,82 @@ def _checkpointing(value: str | None) -> Any:
     return layer
 
 
+def repeated_block(model: Any) -> type | None:
+    """The class of the layers a ``ModuleList`` of ``model`` repeats, the most parameters first.
+
+    The transformer block of a transformers model (``LlamaDecoderLayer``, ``T5Block``), or of
+    any model that keeps its layers in a ``ModuleList``; ``None`` when there is none.
+
+    Examples:
+        >>> from fsdp_guide.models import TinyTransformer
+        >>> repeated_block(TinyTransformer()).__name__
+        'Block'
+    """
+    from torch import nn
+
+    sizes: dict[type, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            for layer in module:
+                if type(layer) is type(module[0]):
+                    count = sum(p.numel() for p in layer.parameters())
+                    sizes[type(layer)] = sizes.get(type(layer), 0) + count
+    return max(sizes, key=lambda cls: sizes[cls]) if sizes else None
+
+
+def _source(args: argparse.Namespace) -> tuple[Callable[[], Any], str]:
+    """The model's builder and its name, from ``--model`` or ``--hf``."""
+    if args.hf is None:
+        if args.hf_arg:
+            raise CommandError("--hf-arg sets a config field of --hf; use --model-arg with --model")
+        return load_builder(args.model, dict(args.model_arg or [])), args.model
+    if args.model_arg:
+        raise CommandError("--model-arg is for --model's builder; use --hf-arg with --hf")
+    from fsdp_guide.hf import hf_builder
+
+    return hf_builder(args.hf, dict(args.hf_arg or [])), f"--hf {args.hf}"
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings about the config off while the model is built and traced."""
+    import logging
+
+    logger = logging.getLogger("transformers")  # the parent of every transformers logger
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def run_model(args: argparse.Namespace) -> int:
     """Plan ``args.model`` for each strategy; print a table (or JSON) and a recommendation."""
     from fsdp_guide.catalog import STRATEGIES
-    from fsdp_guide.errors import PlanError
+    from fsdp_guide.errors import MissingRequirementError, PlanError
+    from fsdp_guide.inputs import default_seq_len, example_batch
     from fsdp_guide.memory import Plan, build_on_meta, plan, traced_activation_bytes
 
-    builder = load_builder(args.model, dict(args.model_arg or []))
-    checkpointing = _checkpointing(args.activation_checkpointing)
     names = args.strategy or list(STRATEGIES)
     plans: list[Plan] = []
     try:
-        model = build_on_meta(builder)
-        config = getattr(model, "config", None)
-        seq_len = args.seq_len or getattr(config, "seq_len", 1)
-        # One trace serves every strategy: the activations per rank do not depend on it.
-        activations = traced_activation_bytes(
-            model,
-            args.batch_size,
-            seq_len,
-            precision=args.precision,
-            activation_checkpointing=checkpointing,
-        )
+        builder, label = _source(args)
+        with _quiet_transformers():
+            model = build_on_meta(builder)
+        checkpointing = _checkpointing(args.activation_checkpointing, model)
+        batch = example_batch(model, args.input or ())
+        seq_len = args.seq_len or (default_seq_len(model) if batch.uses_seq_len else 1)
+        with _quiet_transformers():
+            # One trace serves every strategy: the activations per rank do not depend on it.
+            activations = traced_activation_bytes(
+                model,
+                args.batch_size,
+                seq_len,
+                precision=args.precision,
+                activation_checkpointing=checkpointing,
+                batch=batch.build,
+            )
         for name in names:
             plans.append(
                 plan(
@@ -91,8 +159,10 @@ def run_model(args: argparse.Namespace) -> int:
                     activations=activations,
                 )
             )
-    except PlanError as exc:
+    except (PlanError, MissingRequirementError) as exc:
         raise CommandError(str(exc)) from exc
+    sizes = f"B={args.batch_size}" + (f", S={seq_len}" if batch.uses_seq_len else "")
+    used = f"model: {type(model).__name__} ({label}); batch per rank ({sizes}): {batch.description}"
     if args.json:
         rows = []
         for p in plans:
@@ -102,8 +172,10 @@ def run_model(args: argparse.Namespace) -> int:
                     row["fits"] = p.fits(args.gpu_memory, args.margin, rank=rank)
                 rows.append(row)
         print(json.dumps(rows, indent=1))
+        print(used, file=sys.stderr)  # stdout stays one JSON document
         return 0
     print(plan_table(plans, args.gpu_memory, args.margin))
+    print(used)
     return 0
 
 
@@ -128,6 +200,7 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
         recommended: fsdp2 (fits 2.60 MB with 10% margin; maintained engines first,
         then the least communication)
     """
+    from fsdp_guide.cli._estimate import readable
     from fsdp_guide.compare import text_table
     from fsdp_guide.memory import format_bytes, recommend
 
@@ -141,7 +214,7 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
     for p in plans:
         state = (0, 0, 0) if p.cpu_offload else (p.state.params, p.state.grads, p.state.optimizer)
         values = (*state, p.activations, p.transient, p.total, p.communication.payload_bytes)
-        cells = [p.strategy, *(format_bytes(v, unit) for v in values)]
+        cells = [p.strategy, *(readable(v, unit) for v in values)]
         if gpu_memory is not None:
             cells.append("yes" if p.fits(gpu_memory, margin) else "no")
         rows.append(cells)

@@ -51,7 +51,7 @@ def test_fp32_sgd(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "one of the arguments --params --model is required"),
+        ([], "one of the arguments --params --model --hf is required"),
         (["--params", "0"], "argument --params: must be a positive count"),
         (["--params=-7e9"], "argument --params: must be a positive count"),
         (["--params", "lots"], "argument --params: must be a positive count"),
@@ -68,6 +68,9 @@ def test_fp32_sgd(capsys: pytest.CaptureFixture[str]) -> None:
         ),
         (["--params", "7e9", "--gpu-memory", "big"], "cannot read 'big' as a size"),
         (["--params", "7e9", "--gpu-memory", "0GB"], "argument --gpu-memory: must be positive"),
+        # A bare number used to be read as bytes, so nothing fitted; now it needs its unit.
+        (["--params", "7e9", "--gpu-memory", "80"], "'80' has no unit; write e.g. 80GB"),
+        (["--params", "7e9", "--gpu-memory", "8e10"], "'8e10' has no unit"),
         (["--params", "7e9", "--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
         (
             ["--params", "7e9", "--optimizer", "lamb"],
