@@ -158,25 +158,35 @@ def estimate_table(
             cells.append("yes" if state.total <= gpu_memory else "no")
         rows.append(cells)
     title = (
-        f"{num_params / 1e9:.2f}B parameters on {world_size} ranks, {precision} precision, "
+        f"{_count(num_params)} parameters on {world_size} ranks, {precision} precision, "
         f"{optimizer}: {per.params} + {per.grads} + {per.optimizer} bytes per parameter"
     )
     return "\n".join([title, text_table(rows)])
 
 
 def readable(num_bytes: float, unit: str) -> str:
-    """``num_bytes`` in ``unit``, or in the unit that shows it when it would print as 0.00.
+    """``num_bytes`` in ``unit``, or in the unit that shows it when it is below 0.1 of it.
+
+    A column in GB would print a few megabytes as ``0.00 GB`` or ``0.01 GB``; those cells
+    switch to the unit that gives them three digits.
 
     Examples:
-        >>> readable(2.5e9, "GB"), readable(3_000_000, "GB"), readable(0, "GB")
-        ('2.50 GB', '3.00 MB', '0.00 GB')
+        >>> readable(2.5e9, "GB"), readable(12_000_000, "GB"), readable(0, "GB")
+        ('2.50 GB', '12.00 MB', '0.00 GB')
     """
     from fsdp_guide.memory import format_bytes
 
-    text = format_bytes(num_bytes, unit)
-    if num_bytes and text.startswith(("0.00 ", "-0.00 ")):
+    scale = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}.get(unit, 1)
+    if num_bytes and abs(num_bytes) < 0.1 * scale:
         return format_bytes(num_bytes)
-    return text
+    return format_bytes(num_bytes, unit)
+
+
+def _count(num_params: float) -> str:
+    """``7.50B``, ``350.00M`` or ``9,000``: a parameter count with the digits that matter."""
+    if num_params >= 1e9:
+        return f"{num_params / 1e9:.2f}B"
+    return f"{num_params / 1e6:.2f}M" if num_params >= 1e6 else f"{num_params:,.0f}"
 
 
 def _run(args: argparse.Namespace) -> int:

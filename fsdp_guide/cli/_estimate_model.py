@@ -109,7 +109,12 @@ def _source(args: argparse.Namespace) -> tuple[Callable[[], Any], str]:
 def _quiet_transformers() -> Iterator[None]:
     """transformers' warnings about the config off while the model is built and traced."""
     import logging
+    import os
 
+    # transformers sets its logger's level from this variable when it is first imported
+    # (inside the builder, say); the level is set too for when it was imported before.
+    saved = os.environ.get("TRANSFORMERS_VERBOSITY")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     logger = logging.getLogger("transformers")  # the parent of every transformers logger
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -117,6 +122,10 @@ def _quiet_transformers() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+        if saved is None:
+            del os.environ["TRANSFORMERS_VERBOSITY"]
+        else:
+            os.environ["TRANSFORMERS_VERBOSITY"] = saved
 
 
 def run_model(args: argparse.Namespace) -> int:
@@ -194,9 +203,9 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
         >>> print(plan_table(plans, gpu_memory=2_600_000))
         142,088 parameters on 2 ranks, fp32 precision; bytes on the fullest rank
         strategy  params   grads    optimizer  activations  transient  total    comm/step  fits
-        ddp       0.57 MB  0.57 MB  1.14 MB    0.03 MB      0.57 MB    2.87 MB  0.57 MB    no
-        fsdp      0.28 MB  0.28 MB  0.57 MB    0.03 MB      1.14 MB    2.30 MB  1.14 MB    yes
-        fsdp2     0.28 MB  0.28 MB  0.57 MB    0.03 MB      1.14 MB    2.30 MB  1.14 MB    yes
+        ddp       0.57 MB  0.57 MB  1.14 MB    26.11 KB     0.57 MB    2.87 MB  0.57 MB    no
+        fsdp      0.28 MB  0.28 MB  0.57 MB    26.11 KB     1.14 MB    2.30 MB  1.14 MB    yes
+        fsdp2     0.28 MB  0.28 MB  0.57 MB    26.11 KB     1.14 MB    2.30 MB  1.14 MB    yes
         recommended: fsdp2 (fits 2.60 MB with 10% margin; maintained engines first,
         then the least communication)
     """
