@@ -6,7 +6,6 @@ Torch is imported inside the functions: a spawned rank imports this module (thro
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -14,14 +13,11 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from fsdp_guide.launcher._checks import check_world_size, resolve_backend
+from fsdp_guide.launcher._fresh import fresh_prefix
 from fsdp_guide.launcher._rendezvous import MASTER_ADDR
 
 if TYPE_CHECKING:
     import torch
-
-# Numbers this process's torchrun groups: every rank runs the same script, so the n-th
-# launch has the same number on every rank.
-_TORCHRUN_GROUPS = itertools.count()
 
 
 def init_launched_rank(
@@ -80,15 +76,14 @@ def run_under_torchrun(
         chosen = resolve_backend(backend, local_world)
         if chosen == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        # torchrun's store outlives our groups, and destroy_process_group restarts torch's
-        # group numbering, so a second default group would read the first one's stale
-        # gloo addresses and hang (pytorch/pytorch#55967): give each group its own keys.
+        # torchrun's store outlives our groups (a second launch, and every restart of the
+        # job, would read the previous group's stale gloo addresses and hang or fail,
+        # pytorch/pytorch#55967 and #135712): each group gets keys no earlier one used.
         from torch.distributed.rendezvous import rendezvous
 
         store, _, _ = next(rendezvous("env://", timeout=timedelta(seconds=timeout)))
-        store = dist.PrefixStore(  # type: ignore[attr-defined]
-            f"fsdp_guide/{next(_TORCHRUN_GROUPS)}", store
-        )
+        prefix = fresh_prefix(store, rank, world_size, timeout)
+        store = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         dist.init_process_group(
             chosen,
             store=store,
