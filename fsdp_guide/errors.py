@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "CheckpointError",
     "CollectiveCallError",
+    "CollectiveMismatchError",
     "CommandError",
     "EngineUnavailableError",
     "LaunchError",
@@ -114,6 +115,30 @@ class CollectiveCallError(RuntimeError):
         >>> isinstance(CollectiveCallError("rank 1 did not call save"), RuntimeError)
         True
     """
+
+
+class CollectiveMismatchError(LaunchError, CollectiveCallError):
+    """The ranks wait in different collectives, so none can finish; all were stopped.
+
+    Raised by :func:`~fsdp_guide.launcher.launch` within seconds of the moment no rank
+    makes progress any more, instead of at the launch timeout: each rank calls the
+    collectives in a different order, or one rank calls a collective the others skip.
+
+    Attributes:
+        calls: For each rank, the collective it waits in and where it was called.
+
+    Examples:
+        >>> err = CollectiveMismatchError("ranks disagree", calls={0: "all_reduce", 1: "barrier"})
+        >>> isinstance(err, LaunchError), isinstance(err, CollectiveCallError), err.calls[1]
+        (True, True, 'barrier')
+    """
+
+    def __init__(self, message: str, *, calls: dict[int, str]) -> None:
+        super().__init__(message)
+        self.calls = calls
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), {"calls": self.calls}))
 
 
 class OptimizerMismatchError(ValueError):

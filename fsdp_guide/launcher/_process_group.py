@@ -13,11 +13,16 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from fsdp_guide.launcher._checks import check_world_size, resolve_backend
+from fsdp_guide.launcher._entry import every_rank_enters
 from fsdp_guide.launcher._fresh import fresh_prefix
 from fsdp_guide.launcher._rendezvous import MASTER_ADDR
 
 if TYPE_CHECKING:
     import torch
+
+# Set in a rank that launch started: a launch inside it runs on the rank's group, and
+# every rank must call it (checked at its entry, like the checkpoint helpers).
+_launched_rank = False
 
 
 def init_launched_rank(
@@ -35,6 +40,8 @@ def init_launched_rank(
     import torch
     import torch.distributed as dist
 
+    global _launched_rank
+    _launched_rank = True
     if backend == "nccl":
         torch.cuda.set_device(rank)
     timeout = timedelta(seconds=pg_timeout_s)
@@ -71,6 +78,12 @@ def run_under_torchrun(
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     created = not dist.is_initialized()
+    if not created and _launched_rank:
+        every_rank_enters(
+            "fsdp_guide.launch",
+            why="inside a launched function, launch runs its function once on each rank, "
+            "on the group the ranks already share",
+        )
     if created:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         chosen = resolve_backend(backend, local_world)
