@@ -17,6 +17,7 @@ __all__ = [
     "EngineUnavailableError",
     "LaunchError",
     "LaunchTimeout",
+    "MetaInitError",
     "MissingRequirementError",
     "OptimizerMismatchError",
     "PlanError",
@@ -172,3 +173,11 @@ class PlanError(ValueError):
 
 class CommandError(Exception):
     """Bad input found while running a command: printed as one line, exit status 2."""
+
+
+class MetaInitError(ValueError):
+    """A model built on the meta device could not be given its weights as asked.
+
+    Raised before anything is allocated: a module with tensors of its own but no
+    ``reset_parameters()`` to initialise them, or weights tied between modules.
+    """

@@ -37,6 +37,7 @@ from fsdp_guide.checkpoint._consolidate import consolidate
 # Kept importable for code written against earlier versions: fsdp_guide.engines.detect names
 # the engine, fsdp_guide.errors documents the error.
 from fsdp_guide.checkpoint._detect import detect_strategy as detect_strategy
+from fsdp_guide.checkpoint._into_shards import load_full_state_dict, read_full_state_dict
 from fsdp_guide.errors import CheckpointError as CheckpointError
 
-__all__ = ["consolidate", "load", "save"]
+__all__ = ["consolidate", "load", "load_full_state_dict", "read_full_state_dict", "save"]
