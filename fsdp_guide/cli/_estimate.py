@@ -109,7 +109,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--margin", type=fraction, default=0.1, help="share of GPU memory kept free; default 0.1"
     )
-    p.add_argument("--json", action="store_true", help="one JSON object per strategy")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per strategy and rank; the batch used is said on stderr",
+    )
     p.add_argument(
         "--world-size",
         type=int_at_least(1, MAX_WORLD_SIZE),
