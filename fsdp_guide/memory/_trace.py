@@ -25,7 +25,9 @@ ModelSource = nn.Module | Callable[[], nn.Module]
 #: or each module of a class.
 Checkpointing = None | Literal["blocks"] | type[nn.Module]
 #: Builds a ``(inputs, targets)`` batch of ``(batch_size, seq_len)``; run on fake tensors.
-BatchBuilder = Callable[[int, int], tuple[Tensor, Tensor]]
+#: Inputs: a tensor, a tuple (positional) or a dict (keyword arguments); targets ``None``
+#: when labels are among the inputs (:func:`fsdp_guide.inputs.example_batch`).
+BatchBuilder = Callable[[int, int], tuple[Any, Tensor | None]]
 
 
 _INT64_MAX = 2**63 - 1
@@ -102,31 +104,9 @@ def _to_fake(model: nn.Module) -> None:
 
 
 def _default_batch(model: nn.Module) -> BatchBuilder:
-    from fsdp_guide.models import MLP, TinyTransformer
+    from fsdp_guide.inputs import example_batch
 
-    if isinstance(model, TinyTransformer):
-        longest = model.config.seq_len
-
-        def tokens(batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
-            if seq_len > longest:
-                raise PlanError(
-                    f"seq_len={seq_len} is longer than the model's position embedding "
-                    f"({longest}); build the model with TransformerConfig(seq_len={seq_len})"
-                )
-            ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
-            return ids, ids.clone()
-
-        return tokens
-    if isinstance(model, MLP):
-        linears = [m for m in model.net if isinstance(m, nn.Linear)]
-        return lambda b, _t: (
-            torch.zeros(b, linears[0].in_features),
-            torch.zeros(b, linears[-1].out_features),
-        )
-    raise PlanError(
-        f"no example batch known for {type(model).__name__}; pass batch=fn(batch_size, seq_len) "
-        "returning (inputs, targets)"
-    )
+    return example_batch(model).build
 
 
 def _checkpoint(model: nn.Module, checkpointing: Checkpointing) -> None:
@@ -162,7 +142,8 @@ def traced_activation_bytes(
         seq_len: Tokens per sample (ignored by models without sequences, such as the MLP).
         precision: ``"mixed"`` traces under bfloat16 autocast.
         activation_checkpointing: ``None``, ``"blocks"`` or a layer class to checkpoint.
-        batch: Builds ``(inputs, targets)``; known for the demo models.
+        batch: Builds ``(inputs, targets)``; by default read from the model
+            (:func:`fsdp_guide.inputs.example_batch`).
 
     Returns:
         What :func:`fsdp_guide.wrap.saved_activation_bytes` counts on a real forward.
@@ -197,6 +178,15 @@ def traced_activation_bytes(
             inputs = make_batch(batch_size, seq_len)
             with autocast:
                 nbytes, _ = saved_activation_bytes(traced, lambda: loss_fn(traced, inputs))
+        except PlanError:
+            raise
         except RuntimeError as exc:  # sizes past int64, and the like
             raise PlanError(f"cannot trace the forward pass: {exc}") from exc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # The model refused the example batch (a missing or unexpected input).
+            raise PlanError(
+                f"cannot trace the forward pass of {type(model).__name__} on the example batch: "
+                f"{type(exc).__name__}: {exc}; state its inputs with --input name:dtype[dims] "
+                "(Python: batch=)"
+            ) from exc
     return nbytes
