@@ -201,14 +201,15 @@ class FSDP2(TorchStateDict, UnitEngine):
         from forward), two blocks gathered (the one running and the next, prefetched) and the
         running block's unsharded gradients. ``False``: at the end of forward, every
         activation and every parameter gathered, plus the copy-out buffer of the last
-        all-gather (a block). An int ``k``: as ``True``, plus each block's ``1 / k`` share
-        kept from forward.
+        all-gather (a block). An int ``k``: as ``True``, plus the ``1 / k`` share each other
+        block keeps from forward (the two gathered blocks were gathered from theirs, which
+        are freed).
 
         Examples:
             >>> sizes = StepSizes(params=1000, grads=1000, largest_unit=200,
             ...                   largest_unit_grads=200, root_unit=200, activations=500)
             >>> [FSDP2(reshard_after_forward=r).step_peak(sizes, 4).bytes for r in (True, False, 2)]
-            [1300, 1700, 1700]
+            [1300, 1700, 1500]
         """
         a, unit = sizes.activations, sizes.largest_unit
         if self.reshard_after_forward is False:
@@ -219,12 +220,13 @@ class FSDP2(TorchStateDict, UnitEngine):
             )
         kept = 0
         if self.reshard_after_forward is not True:
-            kept = (sizes.params - sizes.root_unit) // int(self.reshard_after_forward)
+            others = sizes.params - sizes.root_unit - 2 * unit
+            kept = max(others, 0) // int(self.reshard_after_forward)
         return StepPeak(
             bytes=a + sizes.root_unit + kept + 2 * unit + sizes.largest_unit_grads,
             phase="backward",
             kind="activations + root + two gathered blocks + a block's gradients"
-            + (" + the blocks' shares kept from forward" if kept else ""),
+            + (" + the other blocks' shares kept from forward" if kept else ""),
         )
 
     def collectives(

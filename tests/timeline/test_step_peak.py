@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import pytest
-import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
+from step_peak_runs import Run, measure_peaks, plan_run
 
 from fsdp_guide.engines import FSDP1, FSDP2, StepSizes, engine_for
 from fsdp_guide.launcher import launch
-from fsdp_guide.memory import measure_model_state, plan
-from fsdp_guide.models import Block, build_model, loss_fn, shard_batch, synthetic_batch
-from fsdp_guide.timeline import record_step
-from fsdp_guide.wrap import LayerPolicy, shard
 
 BATCH = 8
 # (catalog strategy, the adapter's settings): each is built as a lesson builds it.
-RUNS: list[tuple[str, dict[str, Any]]] = [
+RUNS: list[Run] = [
     ("ddp", {}),
     ("zero1", {}),
     ("fsdp", {}),
@@ -28,67 +22,13 @@ RUNS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def _build(strategy: str, settings: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
-    model = build_model("transformer")
-    if strategy in ("ddp", "zero1"):
-        model = DDP(model)
-        if strategy == "zero1":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            return model, ZeroRedundancyOptimizer(
-                model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3
-            )
-        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
-    options = dict(settings)
-    if "backward_prefetch" in options:  # the adapter's name, FSDP1's enum
-        from torch.distributed.fsdp import BackwardPrefetch
-
-        name = options["backward_prefetch"]
-        options["backward_prefetch"] = BackwardPrefetch[name] if name else None
-    engine = "fsdp1" if strategy == "fsdp" else strategy
-    model = shard(model, engine=engine, policy=LayerPolicy(Block), **options)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
-
-
-def _peaks(rank: int, world_size: int) -> list[tuple[int, str]]:
-    warnings.filterwarnings("ignore")
-    out = []
-    for strategy, settings in RUNS:
-        model, optimizer = _build(strategy, settings)
-        batch = shard_batch(synthetic_batch("transformer", BATCH), rank, world_size)
-        for _ in range(1):  # the first step creates Adam's state
-            loss_fn(model, batch).backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
-            optimizer.zero_grad()
-        state = measure_model_state(model, optimizer)
-        timeline = record_step(
-            lambda m=model, b=batch: loss_fn(m, b),
-            lambda loss: loss.backward(),
-            lambda o=optimizer: (o.step(), o.zero_grad()),
-            state_before={
-                "params": state.params,
-                "grads": state.grads,
-                "optimizer": state.optimizer,
-            },
-        )
-        out.append((timeline.peak, timeline.phase_at(timeline.times_us[timeline.peak_index])))
-    return out
-
-
 @pytest.fixture(scope="module")
 def measured() -> list[tuple[int, str]]:
-    return launch(_peaks, world_size=2)[0]
+    return launch(measure_peaks, world_size=2, args=(RUNS, BATCH))[0]
 
 
 def _planned(strategy: str, settings: dict[str, Any]) -> Any:
-    return plan(
-        build_model("transformer"),
-        batch_size=BATCH // 2,
-        seq_len=32,
-        world_size=2,
-        strategy=strategy,
-        settings=settings,
-    )
+    return plan_run(strategy, settings, batch=BATCH, world_size=2)
 
 
 @pytest.mark.parametrize("index", range(len(RUNS)), ids=[f"{s}{o}" for s, o in RUNS])
@@ -120,7 +60,8 @@ SIZES = StepSizes(
     [
         (FSDP2(), 50 + 100 + 400 + 200),
         (FSDP2(reshard_after_forward=False), 50 + 1000 + 200),
-        (FSDP2(reshard_after_forward=3), 50 + 100 + 900 // 3 + 400 + 200),
+        # The other blocks' thirds: the two gathered blocks' thirds are freed.
+        (FSDP2(reshard_after_forward=3), 50 + 100 + (1000 - 100 - 400) // 3 + 400 + 200),
         (FSDP1(), 50 + 100 + 400 + 200),
         (FSDP1(backward_prefetch="BACKWARD_POST"), 50 + 100 + 200 + 200),
         (FSDP1(backward_prefetch=None, forward_prefetch=True), 50 + 100 + 400 + 200),

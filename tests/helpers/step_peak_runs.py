@@ -1,0 +1,78 @@
+"""Measure the peak of one training step per configuration, and plan it (timeline tests)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fsdp_guide.memory import measure_model_state, plan
+from fsdp_guide.models import Block, build_model, loss_fn, shard_batch, synthetic_batch
+from fsdp_guide.timeline import record_step
+from fsdp_guide.wrap import LayerPolicy, shard
+
+# A run: (catalog strategy, the adapter's settings), each built as a lesson builds it.
+Run = tuple[str, dict[str, Any]]
+
+
+def build(strategy: str, settings: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+    """The demo transformer wrapped for ``strategy``, and its Adam."""
+    model = build_model("transformer")
+    if strategy in ("ddp", "zero1"):
+        model = DDP(model)
+        if strategy == "zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return model, ZeroRedundancyOptimizer(
+                model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3
+            )
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+    options = dict(settings)
+    if "backward_prefetch" in options:  # the adapter's name, FSDP1's enum
+        from torch.distributed.fsdp import BackwardPrefetch
+
+        name = options["backward_prefetch"]
+        options["backward_prefetch"] = BackwardPrefetch[name] if name else None
+    engine = "fsdp1" if strategy == "fsdp" else strategy
+    model = shard(model, engine=engine, policy=LayerPolicy(Block), **options)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def measure_peaks(rank: int, world_size: int, runs: list[Run], batch: int) -> list[tuple[int, str]]:
+    """Each run's measured peak of its second step (the first creates Adam's state), and
+    the phase it falls in."""
+    warnings.filterwarnings("ignore")
+    out = []
+    for strategy, settings in runs:
+        model, optimizer = build(strategy, settings)
+        data = shard_batch(synthetic_batch("transformer", batch), rank, world_size)
+        loss_fn(model, data).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad()
+        state = measure_model_state(model, optimizer)
+        timeline = record_step(
+            lambda m=model, b=data: loss_fn(m, b),
+            lambda loss: loss.backward(),
+            lambda o=optimizer: (o.step(), o.zero_grad()),
+            state_before={
+                "params": state.params,
+                "grads": state.grads,
+                "optimizer": state.optimizer,
+            },
+        )
+        out.append((timeline.peak, timeline.phase_at(timeline.times_us[timeline.peak_index])))
+    return out
+
+
+def plan_run(strategy: str, settings: dict[str, Any], *, batch: int, world_size: int) -> Any:
+    """The planner's figures for the same run (``batch`` split over the ranks)."""
+    return plan(
+        build_model("transformer"),
+        batch_size=batch // world_size,
+        seq_len=32,
+        world_size=world_size,
+        strategy=strategy,
+        settings=settings,
+    )
