@@ -32,7 +32,7 @@ Examples:
 
 from __future__ import annotations
 
-from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient
+from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, ModelShape, Transient
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
 from fsdp_guide.engines._registry import (
     ENGINES,
@@ -47,7 +47,17 @@ from fsdp_guide.engines._registry import (
     unit_of,
     wrap_for_strategy,
 )
-from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
+from fsdp_guide.engines._units import (
+    UNIT_RULES,
+    UnitEngine,
+    UnitPolicy,
+    UnitRule,
+    UnitView,
+    block_classes,
+    model_shape,
+    unit_names,
+    unit_shapes,
+)
 from fsdp_guide.engines.ddp import DDP
 from fsdp_guide.engines.deepspeed import DeepSpeedZero, deepspeed_layout
 from fsdp_guide.engines.fairscale_fsdp import FairScaleFSDP
@@ -72,14 +82,19 @@ __all__ = [
     "Engine",
     "FairScaleFSDP",
     "Layout",
+    "ModelShape",
     "Plain",
     "ShardedDDP",
     "TorchStateDict",
     "Transient",
+    "UNIT_RULES",
     "UnitEngine",
     "UnitPolicy",
+    "UnitRule",
     "UnitView",
     "Zero1",
+    "block_classes",
+    "model_shape",
     "deepspeed_layout",
     "detect",
     "engine_class",
@@ -89,6 +104,8 @@ __all__ = [
     "kept_fresh",
     "local_tensor",
     "unit_engines",
+    "unit_names",
+    "unit_shapes",
     "unit_of",
     "without_state",
     "wrap_for_strategy",

@@ -14,6 +14,7 @@ each is (:func:`fsdp_guide.memory.bytes_per_param`).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,41 @@ class Collectives:
 
     payload: Mapping[str, int]
     groups: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """What a step's collectives depend on beyond ``Ψ``: the units' shapes and the buffers.
+
+    Attributes:
+        units: The shape of each parameter of each unit, the root unit first (a model that
+            is not cut into units is one root unit). A shared parameter is in one unit only.
+        buffers: Elements of the model's buffers (BatchNorm statistics, position ids), which
+            DDP broadcasts from rank 0 before every forward.
+
+    Examples:
+        >>> shape = ModelShape(units=(((4, 2),), ((3,), (5, 5))), buffers=7)
+        >>> shape.num_params, shape.root_params
+        (36, 8)
+    """
+
+    units: tuple[tuple[tuple[int, ...], ...], ...]
+    buffers: int = 0
+
+    @property
+    def num_params(self) -> int:
+        """``Ψ``: the parameters of every unit."""
+        return sum(math.prod(shape) for unit in self.units for shape in unit)
+
+    @property
+    def root_params(self) -> int:
+        """The root unit's parameters."""
+        return sum(math.prod(shape) for shape in self.units[0]) if self.units else 0
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Every parameter's shape, unit after unit."""
+        return tuple(shape for unit in self.units for shape in unit)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,6 +171,9 @@ class Engine(ABC):
     #: checkpoint), ``"name"`` (by parameter name already), ``"own"`` (the engine's own
     #: gathered form, which loads only into it).
     full_optimizer_keys: ClassVar[str] = "position"
+    #: Whether it broadcasts the model's buffers from rank 0 before each forward (DDP's
+    #: ``broadcast_buffers=True``, which every DDP-based engine here keeps).
+    broadcasts_buffers: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -190,6 +229,13 @@ class Engine(ABC):
             caller falls back to the ZeRO formula).
         """
 
+    def shape_layout(
+        self, shape: ModelShape, world_size: int, *, fp32_adam: bool = True
+    ) -> tuple[Layout, ...] | None:
+        """:meth:`layout` of a model cut into units (an engine whose layout depends on its
+        units, FSDP1's flat parameter per unit, reads them)."""
+        return self.layout(shape.shapes, world_size, fp32_adam=fp32_adam)
+
     def own_formula(self, param_numels: Sequence[int], world_size: int) -> Layout | None:
         """The engine's own formula where the ZeRO formula's layout does not apply, else None.
 
@@ -223,6 +269,21 @@ class Engine(ABC):
             root_unit_params: Parameters of a fully sharded model's root unit, which is
                 gathered once per step, not twice (ignored by the other engines).
         """
+
+    def step_collectives(self, shape: ModelShape, world_size: int) -> Collectives:
+        """What one rank issues in one training step of a model of this ``shape``.
+
+        :meth:`collectives` of its ``Ψ`` and root unit, plus the broadcast of the buffers
+        for an engine that :attr:`broadcasts_buffers` (on more than one rank); an engine
+        that pads (FSDP's flat parameters and row chunks, DeepSpeed's partitions) counts
+        the padding here.
+        """
+        issued = self.collectives(shape.num_params, world_size, shape.root_params)
+        if not (self.broadcasts_buffers and shape.buffers and world_size > 1):
+            return issued
+        payload = dict(issued.payload)
+        payload["broadcast"] = payload.get("broadcast", 0) + shape.buffers
+        return Collectives(payload=payload, groups=issued.groups)
 
     def root_unit_params(self, module: nn.Module) -> int:
         """Parameters of the root unit of a module this engine wrapped; 0 without units."""

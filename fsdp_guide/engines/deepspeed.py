@@ -27,7 +27,15 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient, replicated
+from fsdp_guide.engines._base import (
+    Built,
+    Collectives,
+    Engine,
+    Layout,
+    ModelShape,
+    Transient,
+    replicated,
+)
 from fsdp_guide.engines._deepspeed_state import (
     deepspeed_state_tensors,
     engine_optimizer,
@@ -204,6 +212,19 @@ class DeepSpeedZero(Engine):
             return Collectives(payload={"all_reduce": num_params})
         padded = -(-num_params // (2 * world_size)) * 2 * world_size
         return Collectives(payload={"all_reduce": num_params + 1, "all_gather": padded})
+
+    def step_collectives(self, shape: ModelShape, world_size: int) -> Collectives:
+        """ZeRO-3 pads each tensor to a multiple of the ranks.
+
+        Examples:
+            >>> shape = ModelShape(units=(((3,), (4,)),))
+            >>> DeepSpeedZero(stage=3).step_collectives(shape, 2).payload
+            {'reduce_scatter': 8, 'all_gather': 8, 'all_reduce': 1}
+        """
+        if self.stage != 3:
+            return super().step_collectives(shape, world_size)
+        padded = sum(-(-math.prod(s) // world_size) * world_size for s in shape.shapes)
+        return self.collectives(padded, world_size)
 
     def optimizer_of(self, module: nn.Module, optimizer: object) -> Any:
         return engine_optimizer(module, optimizer) if is_deepspeed_engine(module) else optimizer

@@ -30,13 +30,21 @@ from fsdp_guide.engines._base import (
     Built,
     Collectives,
     Layout,
+    ModelShape,
     Transient,
     adam,
     fully_sharded,
     replicated,
 )
 from fsdp_guide.engines._checkpoint import TorchStateDict
-from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
+from fsdp_guide.engines._units import (
+    UNIT_RULES,
+    UnitEngine,
+    UnitPolicy,
+    UnitRule,
+    UnitView,
+    unit_names,
+)
 
 __all__ = ["FSDP1"]
 
@@ -52,12 +60,15 @@ def _fsdp1_class() -> type[nn.Module]:
 
 @dataclass(frozen=True, kw_only=True)
 class FSDP1(TorchStateDict, UnitEngine):
-    """PyTorch FSDP1 with Adam, the whole model one unit when built for a strategy.
+    """PyTorch FSDP1 with Adam, a unit per transformer block when built for a strategy.
 
     Attributes:
         sharding_strategy: A ``torch.distributed.fsdp.ShardingStrategy`` name.
         shard_group: Ranks per shard group, for ``HYBRID_SHARD`` only (when the world
             divides by it; else one group of every rank).
+        wrap: ``"blocks"``: a unit per transformer block
+            (:func:`~fsdp_guide.engines.block_classes`), then the root; ``"root"``: the
+            whole model one unit.
     """
 
     name = "fsdp1"
@@ -80,6 +91,7 @@ class FSDP1(TorchStateDict, UnitEngine):
 
     sharding_strategy: ShardingStrategyName = "FULL_SHARD"
     shard_group: int | None = None
+    wrap: UnitRule = "blocks"
 
     def __post_init__(self) -> None:
         choices = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -93,6 +105,8 @@ class FSDP1(TorchStateDict, UnitEngine):
                 "shard_group is the size of HYBRID_SHARD's groups: give it with "
                 f"sharding_strategy='HYBRID_SHARD' and only then, got {self!r}"
             )
+        if self.wrap not in UNIT_RULES:
+            raise ValueError(f"unknown wrap {self.wrap!r}; choose one of {', '.join(UNIT_RULES)}")
         if self.shard_group is not None and (
             isinstance(self.shard_group, bool) or self.shard_group < 1
         ):
@@ -119,6 +133,14 @@ class FSDP1(TorchStateDict, UnitEngine):
             kwargs["device_mesh"] = init_device_mesh(
                 device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard")
             )
+        names = set(unit_names(model, self.wrap))
+        if names:  # the modules of those names, as FSDP1 walks the model
+
+            def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+                return recurse or id(module) in chosen
+
+            chosen = {id(model.get_submodule(name)) for name in names}
+            kwargs["auto_wrap_policy"] = policy
         module = _fsdp1_class()(
             model,
             device_id=device,
@@ -149,6 +171,25 @@ class FSDP1(TorchStateDict, UnitEngine):
         group = self.shard_group_size(world_size)
         flat = math.ceil(total / group) if self.stage_at_step >= 3 else total
         return replicated(world_size, Layout(params=flat, grads=flat, optimizer=flat, steps=1))
+
+    def shape_layout(
+        self, shape: ModelShape, world_size: int, *, fp32_adam: bool = True
+    ) -> tuple[Layout, ...] | None:
+        """A flat parameter per unit with parameters, each padded and cut on its own.
+
+        Examples:
+            >>> shape = ModelShape(units=(((3,),), ((5,),), ((5,),)))
+            >>> FSDP1().shape_layout(shape, 2)[0]  # flat params of 4, 6 and 6: chunks 2+3+3
+            Layout(params=8, grads=8, optimizer=8, steps=3, master=0, buckets=0)
+        """
+        sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
+        sizes = [size for size in sizes if size]  # a unit without parameters has none
+        if self.stage_at_step < 3:
+            return self.layout(shape.shapes, world_size, fp32_adam=fp32_adam)
+        group = self.shard_group_size(world_size)
+        flat = sum(-(-size // group) for size in sizes)
+        one = Layout(params=flat, grads=flat, optimizer=flat, steps=len(sizes))
+        return replicated(world_size, one)
 
     def transient(
         self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int
@@ -186,6 +227,24 @@ class FSDP1(TorchStateDict, UnitEngine):
             payload={**sharded.payload, "all_reduce": num_params // shard},
             groups={**sharded.groups, "all_reduce": world_size // shard},
         )
+
+    def step_collectives(self, shape: ModelShape, world_size: int) -> Collectives:
+        """Each unit's flat parameter padded to a multiple of the shard group.
+
+        Examples:
+            >>> shape = ModelShape(units=(((3,),), ((5,),), ((5,),)))  # a root and 2 units
+            >>> FSDP1().step_collectives(shape, 2).payload  # flat params of 4, 6 and 6
+            {'reduce_scatter': 16, 'all_gather': 28}
+        """
+        if self.sharding_strategy == "NO_SHARD":
+            return super().step_collectives(shape, world_size)
+        group = self.shard_group_size(world_size)
+        flat = [-(-sum(math.prod(s) for s in unit) // group) * group for unit in shape.units]
+        padded = self.collectives(sum(flat), world_size, flat[0] if flat else 0)
+        if not self.hybrid:
+            return padded
+        payload = {**padded.payload, "all_reduce": sum(flat) // group}
+        return Collectives(payload=payload, groups=padded.groups)
 
     def root_unit_params(self, module: nn.Module) -> int:
         if not isinstance(module, _fsdp1_class()):

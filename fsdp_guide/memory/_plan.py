@@ -22,6 +22,7 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,7 +30,14 @@ from torch import nn
 
 from fsdp_guide.catalog import get_strategy
 from fsdp_guide.comm import CommPrediction, predict_communication
-from fsdp_guide.engines import engine_class, engine_for
+from fsdp_guide.engines import (
+    ModelShape,
+    UnitPolicy,
+    UnitRule,
+    engine_class,
+    engine_for,
+    model_shape,
+)
 from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher import check_world_size
 from fsdp_guide.memory._predict import state_per_rank
@@ -151,24 +159,25 @@ class Plan:
         }
 
 
-def unit_params(model: nn.Module) -> tuple[int, int]:
-    """(largest unit, root unit) parameters when each element of a ``ModuleList`` is a unit.
+def unit_params(model: nn.Module, policy: UnitRule | UnitPolicy = "blocks") -> tuple[int, int]:
+    """(largest unit, root unit) parameters of ``model`` cut into units by ``policy``.
 
-    That is how FSDP is wrapped for large models (a unit per transformer block); the root
-    unit holds every parameter outside the blocks (embeddings, final norm, head).
+    ``"blocks"`` is how FSDP is wrapped for large models, and how the catalog's FSDP
+    strategies wrap: a unit per transformer block (:func:`fsdp_guide.engines.block_classes`);
+    the root unit holds every parameter outside the blocks (embeddings, final norm, head).
 
     Examples:
         >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
-        >>> unit_params(TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2)))
-        (17472, 17472)
+        >>> model = TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2))
+        >>> unit_params(model), unit_params(model, "root")
+        ((17472, 17472), (42880, 42880))
     """
-    units: list[nn.Module] = [
-        layer for m in model.modules() if isinstance(m, nn.ModuleList) for layer in m
-    ]
-    inside = {id(p) for unit in units for p in unit.parameters()}
-    root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
-    largest = max([root, *(sum(p.numel() for p in unit.parameters()) for unit in units)])
-    return largest, root
+    return _unit_sizes(model_shape(model, policy))
+
+
+def _unit_sizes(shape: ModelShape) -> tuple[int, int]:
+    sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
+    return max(sizes), sizes[0]
 
 
 def plan(
@@ -184,6 +193,7 @@ def plan(
     batch: BatchBuilder | None = None,
     optimizer: OptimizerName = "adam",
     activations: int | None = None,
+    policy: UnitRule | UnitPolicy = "blocks",
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -202,6 +212,12 @@ def plan(
         activations: Bytes already traced by :func:`traced_activation_bytes` for this model,
             batch, precision and checkpointing: the trace is skipped (planning one model
             for many strategies traces it once).
+        policy: How a fully sharded strategy cuts the model into units: ``"blocks"`` (a
+            unit per transformer block: the classes of transformers' ``_no_split_modules``,
+            else the repeated children of a ``ModuleList``; what the catalog's FSDP
+            strategies do), ``"root"`` (the whole model one unit) or a
+            :class:`fsdp_guide.wrap.WrapPolicy`. It decides FSDP1's padding, the largest
+            gathered unit and what is gathered twice.
 
     Returns:
         A :class:`Plan`.
@@ -245,8 +261,11 @@ def plan(
     num_params = sum(p.numel() for p in model.parameters())
     if num_params == 0:
         raise PlanError(f"{type(model).__name__} has no parameters to train")
-    shapes = [tuple(p.shape) for p in model.parameters()]
-    ranks, exact = state_per_rank(engine, shapes, world_size, precision, optimizer)
+    try:
+        shape = model_shape(model, policy)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+    ranks, exact = state_per_rank(engine, shape, world_size, precision, optimizer)
     state = max(ranks, key=lambda s: s.total)  # the first of the fullest
     if activations is not None:
         if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
@@ -260,7 +279,7 @@ def plan(
             activation_checkpointing=activation_checkpointing,
             batch=batch,
         )
-    largest, root = unit_params(model)
+    largest, _ = _unit_sizes(shape)
     transient = engine.transient(
         param_bytes=per.params, grad_bytes=per.grads, num_params=num_params, largest_unit=largest
     )
@@ -274,7 +293,9 @@ def plan(
         activations=activations,
         transient=transient.bytes,
         transient_kind=transient.kind,
-        communication=predict_communication(spec.name, num_params, world_size, dtype, root),
+        communication=predict_communication(
+            spec.name, num_params, world_size, dtype, shape=shape
+        ),
         cpu_offload=cpu_offload,
         ranks=ranks,
         exact_state=exact,

@@ -14,7 +14,9 @@ from contextlib import nullcontext
 from typing import Any, Literal
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from fsdp_guide.errors import PlanError
 from fsdp_guide.memory._zero import Precision
@@ -129,6 +131,55 @@ def _default_batch(model: nn.Module) -> BatchBuilder:
     )
 
 
+#: Elements of a batch built with real values (a data loader's batch, a few MB at most);
+#: a larger one is built on fake tensors, its data unknown.
+REAL_BATCH_ELEMENTS = 2**24
+
+
+class _OnRealData(TorchFunctionMode):
+    """Run, on real tensors, what reads only the batch's data; everything else stays fake.
+
+    A forward may branch on its inputs' values: transformers skips building an attention mask
+    when the padding mask is all ones, and takes another path (a float mask, K/V repeated for
+    every head) when it cannot look, as on fake tensors. Ops whose tensor arguments are all
+    real (the batch and what is computed from it alone) are run for real, so the trace takes
+    the branch the real forward takes.
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        tensors = [
+            t
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, Tensor) and not isinstance(t, nn.Parameter)
+        ]
+        if tensors and not any(isinstance(t, FakeTensor) or t.requires_grad for t in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _make_batch(make_batch: BatchBuilder, batch_size: int, seq_len: int) -> Any:
+    """The batch, with real values when it is small enough (see :class:`_OnRealData`)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if batch_size * seq_len <= REAL_BATCH_ELEMENTS:
+        with unset_fake_temporarily():
+            inputs = make_batch(batch_size, seq_len)
+        sizes = [t.numel() for t in pytree.tree_leaves(inputs) if isinstance(t, Tensor)]
+        if sum(sizes) <= REAL_BATCH_ELEMENTS:
+            return inputs
+    return make_batch(batch_size, seq_len)
+
+
 def _checkpoint(model: nn.Module, checkpointing: Checkpointing) -> None:
     from fsdp_guide.models import Block
     from fsdp_guide.wrap import checkpoint_layers
@@ -191,11 +242,12 @@ def traced_activation_bytes(
     autocast = (
         torch.autocast("cpu", dtype=torch.bfloat16) if precision == "mixed" else nullcontext()
     )
-    with FakeTensorMode():
+    # Real inputs meet fake parameters: the mode turns them into fake tensors where they do.
+    with FakeTensorMode(allow_non_fake_inputs=True):
         _to_fake(traced)
         try:
-            inputs = make_batch(batch_size, seq_len)
-            with autocast:
+            inputs = _make_batch(make_batch, batch_size, seq_len)
+            with autocast, _OnRealData():
                 nbytes, _ = saved_activation_bytes(traced, lambda: loss_fn(traced, inputs))
         except RuntimeError as exc:  # sizes past int64, and the like
             raise PlanError(f"cannot trace the forward pass: {exc}") from exc
