@@ -112,10 +112,12 @@ def measure_and_plan(
 ) -> dict[str, dict[str, int]]:
     """On a launched rank: train ``name`` under ``strategy``; measured and planned fields.
 
-    ``batch_size`` samples per rank. Measured after the last step: the model state
-    (:func:`fsdp_guide.memory.measure_model_state`), the bytes saved by the last forward
-    (:func:`fsdp_guide.wrap.saved_activation_bytes`) and the payload per collective kind of
-    the last step (:func:`fsdp_guide.comm.count_collectives`).
+    ``batch_size`` samples per rank. Measured in the last step (the third by default: DDP
+    rebuilds its buckets and DeepSpeed settles its prefetch order in the second, with a
+    broadcast each, once): the model state after ``optimizer.step()``
+    (:func:`fsdp_guide.memory.measure_model_state`), the bytes saved by the forward
+    (:func:`fsdp_guide.wrap.saved_activation_bytes`) and the payload per collective kind
+    (:func:`fsdp_guide.comm.count_collectives`).
     """
     import warnings
 
@@ -140,8 +142,12 @@ def measure_and_plan(
                 state = measure_model_state(module, optimizer)
             engine.zero_grad(module, optimizer)
         planned = plan(
-            builder(name), batch_size=batch_size, seq_len=SEQ, world_size=world_size,
-            strategy=strategy, batch=make,
+            builder(name),
+            batch_size=batch_size,
+            seq_len=SEQ,
+            world_size=world_size,
+            strategy=strategy,
+            batch=make,
         )
     mine = planned.ranks[rank]
     fields = ("params", "grads", "optimizer", "buckets", "master")
@@ -157,3 +163,10 @@ def measure_and_plan(
             **{f"comm_{k}": v for k, v in planned.communication.payload.items()},
         },
     }
+
+
+def measure_and_plan_many(
+    rank: int, world_size: int, cases: list[tuple[str, str]]
+) -> list[dict[str, dict[str, int]]]:
+    """:func:`measure_and_plan` for each ``(model, strategy)`` in one launch."""
+    return [measure_and_plan(rank, world_size, name, strategy) for name, strategy in cases]
