@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
-from hf_models import MODELS, measure_and_plan
+from hf_models import MODELS, measure_and_plan  # noqa: E402
 
-from fsdp_guide.launcher import launch
+from fsdp_guide.launcher import launch  # noqa: E402
 
 STRATEGIES = ("ddp", "zero1", "sharded_ddp", "fsdp", "fsdp2", "deepspeed_zero3")
 RESULTS = ROOT / "benchmarks" / "results" / "your_model_matrix.md"
@@ -50,10 +50,14 @@ def _cells(result: dict[str, dict[str, int]]) -> dict[str, str]:
     worst_state = [_ratio(planned[f], measured[f]) for f in state]
     worst_comm = [_ratio(planned.get(k, 0), measured.get(k, 0)) for k in comm]
     return {
-        "state": ", ".join(f"{f} {r}" for f, r in zip(state, worst_state) if r not in "=-")
+        "state": ", ".join(
+            f"{f} {r}" for f, r in zip(state, worst_state, strict=True) if r not in "=-"
+        )
         or "=",
         "activations": _ratio(planned["activations"], measured["activations"]),
-        "comm": ", ".join(f"{k[5:]} {r}" for k, r in zip(comm, worst_comm) if r not in "=-")
+        "comm": ", ".join(
+            f"{k[5:]} {r}" for k, r in zip(comm, worst_comm, strict=True) if r not in "=-"
+        )
         or "=",
     }
 
@@ -92,9 +96,11 @@ def main() -> None:
                     field: next((c[field] for c in cells if c[field] != "="), "=")
                     for field in FIELDS
                 }
-                row = f"| {model} | {strategy} | {world_size} | " + " | ".join(
-                    merged[f] for f in FIELDS
-                ) + " |"
+                row = (
+                    f"| {model} | {strategy} | {world_size} | "
+                    + " | ".join(merged[f] for f in FIELDS)
+                    + " |"
+                )
                 print(row, flush=True)
                 lines.append(row)
     lines += ["", f"{time.perf_counter() - start:.0f} s in all."]

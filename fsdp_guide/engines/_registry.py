@@ -82,7 +82,7 @@ def engine_for(strategy: str | StrategySpec) -> Engine:
 
     Examples:
         >>> engine_for("fsdp_grad_op")
-        FSDP1(sharding_strategy='SHARD_GRAD_OP', shard_group=None)
+        FSDP1(sharding_strategy='SHARD_GRAD_OP', shard_group=None, wrap='blocks')
         >>> engine_for("deepspeed_zero2_offload")
         DeepSpeedZero(stage=2, offload_optimizer=True, offload_params=False)
     """

@@ -184,9 +184,8 @@ class FSDP1(TorchStateDict, UnitEngine):
         """
         sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
         sizes = [size for size in sizes if size]  # a unit without parameters has none
-        if self.stage_at_step < 3:
-            return self.layout(shape.shapes, world_size, fp32_adam=fp32_adam)
-        group = self.shard_group_size(world_size)
+        # NO_SHARD keeps each unit's flat parameter whole: no padding, a step per unit.
+        group = self.shard_group_size(world_size) if self.stage_at_step >= 3 else 1
         flat = sum(-(-size // group) for size in sizes)
         one = Layout(params=flat, grads=flat, optimizer=flat, steps=len(sizes))
         return replicated(world_size, one)

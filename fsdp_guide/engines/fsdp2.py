@@ -220,8 +220,8 @@ class FSDP2(TorchStateDict, UnitEngine):
 
         Examples:
             >>> shape = ModelShape(units=(((3,),), ((5, 2),)))  # 3 rows, then 5 rows of 2
-            >>> FSDP2().step_collectives(shape, 2).payload  # padded to 4 and 6 rows
-            {'reduce_scatter': 16, 'all_gather': 20}
+            >>> FSDP2().step_collectives(shape, 2).payload  # padded to 4 elements and 6 rows of 2
+            {'reduce_scatter': 16, 'all_gather': 28}
         """
         group = self.shard_group_size(world_size)
         padded = [rows_per_shard(unit, group)[0] * group for unit in shape.units]

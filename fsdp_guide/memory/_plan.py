@@ -293,9 +293,7 @@ def plan(
         activations=activations,
         transient=transient.bytes,
         transient_kind=transient.kind,
-        communication=predict_communication(
-            spec.name, num_params, world_size, dtype, shape=shape
-        ),
+        communication=predict_communication(spec.name, num_params, world_size, dtype, shape=shape),
         cpu_offload=cpu_offload,
         ranks=ranks,
         exact_state=exact,

@@ -50,8 +50,11 @@ def _build(name: str) -> nn.Module:
         return Logits(tf.GPT2LMHeadModel(cfg), "tokens")
     if name == "llama":
         cfg = tf.LlamaConfig(
-            vocab_size=VOCAB, num_hidden_layers=2, num_key_value_heads=2,
-            max_position_embeddings=SEQ, **small,
+            vocab_size=VOCAB,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            **small,
         )
         return Logits(tf.LlamaForCausalLM(cfg), "tokens_mask")
     if name == "bert":
@@ -61,20 +64,33 @@ def _build(name: str) -> nn.Module:
         return Logits(tf.BertForMaskedLM(cfg), "bert_padded")
     if name == "t5":
         cfg = tf.T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
             decoder_start_token_id=0,
         )
         return Logits(tf.T5ForConditionalGeneration(cfg), "t5")
     if name == "vit":
         cfg = tf.ViTConfig(
-            image_size=IMAGE, patch_size=4, num_channels=3, num_hidden_layers=2,
-            num_labels=CLASSES, **small,
+            image_size=IMAGE,
+            patch_size=4,
+            num_channels=3,
+            num_hidden_layers=2,
+            num_labels=CLASSES,
+            **small,
         )
         return Logits(tf.ViTForImageClassification(cfg), "image")
     if name == "resnet":
         cfg = tf.ResNetConfig(
-            num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
-            layer_type="basic", num_labels=CLASSES,
+            num_channels=3,
+            embedding_size=8,
+            hidden_sizes=[8, 16],
+            depths=[1, 1],
+            layer_type="basic",
+            num_labels=CLASSES,
         )
         return Logits(tf.ResNetForImageClassification(cfg), "image")
     raise ValueError(name)
@@ -134,9 +150,11 @@ def measure_and_plan(
         warnings.simplefilter("ignore")
         module, optimizer = wrap_for_strategy(model, strategy, world_size)
         for step in range(steps):
-            x, y = make(batch_size, SEQ)
+            batch = make(batch_size, SEQ)
             with count_collectives() as counted:
-                saved, loss = saved_activation_bytes(module, lambda: loss_fn(module, (x, y)))
+                saved, loss = saved_activation_bytes(
+                    module, lambda batch=batch: loss_fn(module, batch)
+                )
                 engine.train_step(module, optimizer, loss)
             if step == steps - 1:
                 state = measure_model_state(module, optimizer)

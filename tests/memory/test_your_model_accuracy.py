@@ -54,7 +54,12 @@ def test_planned_equals_measured(results: list[dict[str, dict[str, int]]], index
 
 @pytest.mark.parametrize(
     ("name", "expected"),
-    [("gpt2", "GPT2Block"), ("llama", "LlamaDecoderLayer"), ("t5", "T5Block"), ("bert", "BertLayer")],
+    [
+        ("gpt2", "GPT2Block"),
+        ("llama", "LlamaDecoderLayer"),
+        ("t5", "T5Block"),
+        ("bert", "BertLayer"),
+    ],
 )
 def test_a_unit_per_transformer_block(name: str, expected: str) -> None:
     model = build_on_meta(builder(name))
