@@ -1,180 +1,201 @@
-"""The GPU validation of issue 17 in one script: tests, notebooks, strategies, memory.
+"""The GPU run: every ``gpu``-marked test, then every lesson with its CUDA cells, one report.
 
-Each step runs as a subprocess with its own time limit; the script records its command,
-return code, passed/failed/skipped counts (pytest's summary line, or the same line printed
-by the script's own steps) and wall time, and writes a markdown report (device, driver,
-torch and CUDA versions, each command with its result and time, failures with the tail of
-their output) and a JSON file that later calls can be merged with.
+Two parts, each a standard tool:
 
-Steps (``--step NAME``, repeatable; ``--all``, the default, runs them in this order):
+1. ``python -m pytest -m gpu -q -rfEs tests``: the CUDA tests (FairScale FSDP, Lightning's
+   ``DDPFullyShardedStrategy``, CUDA peak memory against the planner, FairScale checkpoints).
+   Without a GPU, ``tests/conftest.py`` skips every one of them.
+2. Each lesson executed top to bottom with nbclient, in its own kernel. With a GPU visible the
+   cells tagged ``skip-execution`` (CUDA only, skipped by CPU CI) run too; without one they are
+   skipped as on CI. Executed copies go to ``OUT/executed/`` for review.
 
-- ``pytest``: ``python -m pytest -m gpu -q -rfEs --continue-on-collection-errors tests``,
-  every CUDA-marked test (a module that fails to import does not stop the others); among
-  them ``tests/gpu/test_strategies_gpu.py``, ``DDPFullyShardedStrategy`` at ``devices=1`` in
-  each mode that seeds 000 and 002 describe.
-- ``fairscale``: ``gpu/fairscale_checks.py``, ``shard(engine="fairscale")`` trained at world
-  size 1 on NCCL through ``fsdp_guide.launch``, and ``fsdp_guide.checkpoint`` save/load
-  round trips (full and sharded) for FairScale FSDP.
-- ``memory``: ``gpu/memory_checks.py``, CUDA peak memory of a 303,360,000-parameter
-  TinyTransformer against the predicted model state plus the measured saved activations.
-- ``notebooks``: every notebook in ``notebooks/`` executed top to bottom with nbclient
-  (``gpu/_notebooks.py``), one subprocess per notebook, cells tagged ``skip-execution``
-  included; the executed copies are written to ``<work-dir>/executed/``.
+It writes ``OUT/gpu_validation.md`` (device, each command, its result and wall time, the tail
+of what failed) and exits 1 when anything failed. Nothing is started once ``--budget`` seconds
+have passed: what was not run is reported "not run", to run in another call (``--notebook``).
 
-Usage, from the repository root (see ``benchmarks/gpu_run.md`` for the GPU machine)::
+Usage, from the repository root (``benchmarks/gpu_run.md`` for the GPU machine)::
 
-    PYTHONPATH=$PWD python benchmarks/gpu_validation.py --dry-run
-    PYTHONPATH=$PWD python benchmarks/gpu_validation.py --step pytest --step fairscale
-    PYTHONPATH=$PWD python benchmarks/gpu_validation.py --merge a.json b.json
-    PYTHONPATH=$PWD python benchmarks/gpu_validation.py --copy-cuda-outputs DIR --from-json a.json
-
-Run by path, as above: Python then puts ``benchmarks/`` first on ``sys.path``, where the
-package ``gpu`` is found (here, in the steps that run this script again with
-``--internal``, and in the ranks they spawn, which inherit ``sys.path``).
+    python benchmarks/gpu_validation.py --out benchmarks/out/gpu_run
+    python benchmarks/gpu_validation.py --no-tests --notebook 04 --notebook 07
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
 
-from gpu import _machine, _notebooks, _report, _runner, _steps
-from gpu._paths import DEFAULT_RESULTS, DEFAULT_WORK_DIR
-from gpu.fairscale_checks import fairscale_checks
-from gpu.memory_checks import memory_checks
-
-# The budget counts from here: the environment probe before the steps takes time too.
-STARTED = time.monotonic()
-
-# What ``--internal NAME`` runs: a step of the plan (or the environment probe) in this process.
-INTERNAL: dict[str, Callable[[argparse.Namespace], int]] = {
-    "env": lambda args: _machine.probe(),
-    "notebook": lambda args: _notebooks.run_notebook(
-        Path(args.notebook[0]), args.work_dir, args.deadline
-    ),
-    "fairscale": lambda args: fairscale_checks(args.work_dir),
-    "memory": lambda args: memory_checks(args.work_dir),
-}
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+CUDA_TAG = "skip-execution"  # the lessons' CUDA-only cells (and nbval-skip)
+NEVER = "fsdp-guide-no-cell-has-this-tag"  # what nbclient skips when a GPU runs every cell
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    what = parser.add_argument_group("what to run")
-    what.add_argument(
-        "--step", action="append", choices=_steps.STEP_NAMES, help="a step (repeatable)"
-    )
-    what.add_argument("--all", action="store_true", help="every step (the default)")
-    what.add_argument(
-        "--notebook", action="append", default=[], help="only notebooks whose name starts so"
-    )
-    what.add_argument("--dry-run", action="store_true", help="print the plan and stop")
-    limits = parser.add_argument_group("limits")
-    limits.add_argument(
-        "--budget",
-        type=float,
-        default=_runner.DEFAULT_BUDGET,
-        help="seconds from start to the last step's end",
-    )
-    limits.add_argument("--notebook-limit", type=float, default=_steps.NOTEBOOK_LIMIT)
-    limits.add_argument("--jobs", type=int, default=3, help="notebooks run at once")
-    out = parser.add_argument_group("output")
-    out.add_argument(
-        "--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="logs, executed notebooks"
-    )
-    out.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="markdown report")
-    out.add_argument("--json", type=Path, default=None, help="this call's results (to merge)")
-    out.add_argument("--archive", type=Path, default=None, help="logs + executed notebooks .tar.gz")
-    out.add_argument("--call-label", default="1", help="names this call in the report")
-    out.add_argument("--notes", type=Path, default=None, help="markdown for the Notes section")
-    later = parser.add_argument_group("after the GPU run (no GPU needed)")
-    later.add_argument("--merge", nargs="+", type=Path, help="JSON files of calls -> --results")
-    later.add_argument("--copy-cuda-outputs", type=Path, metavar="EXECUTED_DIR")
-    later.add_argument("--from-json", type=Path, help="a call's JSON naming the GPU, for the note")
-    parser.add_argument("--internal", choices=list(INTERNAL), help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--deadline", type=float, default=_steps.NOTEBOOK_LIMIT, help=argparse.SUPPRESS
-    )
-    args = parser.parse_args(argv)
-    if args.json is None:
-        args.json = args.work_dir / "gpu_validation.json"
-    if args.all or not args.step:
-        args.step = list(_steps.STEP_NAMES)
-    return args
+@dataclass(frozen=True)
+class Result:
+    """One command of the run: what it was, how it ended, and the end of its output."""
+
+    name: str
+    command: str
+    status: str  # "passed", "failed", "not run"
+    seconds: float
+    summary: str
+    tail: str = ""
 
 
-def print_plan(plan: Sequence[_steps.Step], args: argparse.Namespace) -> None:
-    """The steps, commands and limits, without running anything."""
-    print(f"GPU validation plan (budget {args.budget:.0f} s; notebooks {args.jobs} at a time)")
-    print(f"work dir {args.work_dir}; report {args.results}; JSON {args.json}")
-    for step in plan:
-        mode = "parallel" if step.parallel else "serial"
-        print(f"- {step.name} [{mode}, limit {step.limit:.0f} s]: {step.command}")
-    total = sum(step.limit for step in plan)
-    print(f"{len(plan)} steps; limits add up to {total:.0f} s (parallel notebooks overlap)")
+def device() -> tuple[bool, str]:
+    """Whether CUDA is usable here, and the machine in words (GPU, torch, CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, f"no CUDA device visible; torch {torch.__version__}"
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return True, f"{', '.join(names)}; torch {torch.__version__} (CUDA {torch.version.cuda})"
 
 
-def make_runner(
-    args: argparse.Namespace, env: dict[str, Any], start: float = STARTED
-) -> _runner.Runner:
-    """The runner of ``args``' budget, counted from ``start``, and outputs."""
-    return _runner.Runner(
-        env,
-        start=start,
-        budget=args.budget,
-        jobs=args.jobs,
-        call=args.call_label,
-        work_dir=args.work_dir,
-        json_path=args.json,
-        report=args.results,
-        notes=args.notes,
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the plan of ``args`` on this machine (or print it, with ``--dry-run``)."""
+def run_tests(paths: list[str], seconds: float) -> Result:
+    """``pytest -m gpu`` over ``paths`` in a subprocess, stopped after ``seconds``."""
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", *paths]
+    if seconds <= 0:
+        return Result("pytest -m gpu", " ".join(command[1:]), "not run", 0.0, "no time left")
+    start = time.monotonic()
     try:
-        notebooks = _notebooks.notebook_paths(args.notebook) if "notebooks" in args.step else []
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    plan = _steps.build_plan(args.step, args.work_dir, notebooks, args.notebook_limit)
-    if args.dry_run:
-        print_plan(plan, args)
-        return 0
-    env = _machine.collect_environment()
-    print(_report.environment_line(env), flush=True)
-    runner = make_runner(args, env)
-    if not env.get("cuda_available"):
-        runner.write()  # the environment (and a probe error) still reach the JSON
-        print(f"no CUDA device visible to torch ({env.get('probe_error', 'no error')}); stopping")
-        return 2
-    runner.run(plan)
-    if args.archive is not None:
-        _runner.pack(args.work_dir, args.archive)
-    failed = [r.name for r in runner.results if r.status != "passed"]
-    print(f"report: {args.results}; JSON: {args.json}; not passed: {failed or 'none'}")
-    return 1 if failed else 0
+        done = subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, timeout=max(seconds, 1)
+        )
+        output, ok = done.stdout + done.stderr, done.returncode in (0, 5)  # 5: none collected
+    except subprocess.TimeoutExpired as stopped:  # its output may come back as bytes
+        partial = stopped.stdout or b""
+        text = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+        output, ok = f"{text}\ntimed out after {seconds:.0f} s", False
+    lines = [line for line in str(output).splitlines() if line.strip()]
+    return Result(
+        name="pytest -m gpu",
+        command=" ".join(command[1:]),
+        status="passed" if ok else "failed",
+        seconds=time.monotonic() - start,
+        summary=lines[-1] if lines else "",
+        tail="\n".join(lines[-40:]) if not ok else "",
+    )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
-    args = parse_args(argv)
-    if args.internal:
-        return INTERNAL[args.internal](args)
-    if args.merge:
-        env, results = _report.merge_reports([_report.read_json(p) for p in args.merge])
-        _report.write_markdown(args.results, env, results, args.notes)
-        print(f"wrote {args.results} ({len(results)} steps)")
-        return 0
-    if args.copy_cuda_outputs:
-        env = _report.read_json(args.from_json)["environment"] if args.from_json else {}
-        return _notebooks.copy_back(args.copy_cuda_outputs, _report.gpu_note(env))
-    return run(args)
+def run_notebook(path: str, out: str, cuda: bool, cell_timeout: float, deadline: float) -> Result:
+    """Execute one notebook with nbclient (in a pool's process); write its executed copy."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    name, command = Path(path).name, f"nbclient {Path(path).name}"
+    if time.time() >= deadline:
+        return Result(name, command, "not run", 0.0, "the budget was spent")
+    notebook = nbformat.read(path, as_version=4)  # type: ignore[no-untyped-call]
+    client = NotebookClient(
+        notebook,
+        kernel_name="python3",
+        record_timing=False,
+        skip_cells_with_tag=NEVER if cuda else CUDA_TAG,
+        timeout_func=lambda cell: max(1, int(min(cell_timeout, deadline - time.time()))),
+        resources={"metadata": {"path": str(Path(path).parent)}},
+    )
+    start, error = time.monotonic(), ""
+    try:
+        client.execute()
+    except Exception as exc:  # a cell's error, a timeout or a dead kernel: all reported
+        error = f"{type(exc).__name__}: {exc}"
+    executed = Path(out) / "executed" / name
+    executed.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(notebook, str(executed))  # type: ignore[no-untyped-call]
+    cells = sum(cell.cell_type == "code" for cell in notebook.cells)
+    tagged = sum(CUDA_TAG in cell.metadata.get("tags", []) for cell in notebook.cells)
+    ran = "run" if cuda else "skipped"
+    return Result(
+        name=name,
+        command=command,
+        status="failed" if error else "passed",
+        seconds=time.monotonic() - start,
+        summary=f"{cells} code cells, {tagged} tagged {CUDA_TAG} ({ran})",
+        tail=error[-3000:],
+    )
+
+
+def notebook_paths(selection: list[str]) -> list[Path]:
+    """Every lesson, or those whose file name starts with a selection (or a path given)."""
+    paths = sorted(NOTEBOOKS.glob("*.ipynb"))
+    if not selection:
+        return paths
+    chosen: list[Path] = []
+    for wanted in selection:
+        matches = [Path(wanted)] if wanted.endswith(".ipynb") else []
+        matches = matches or [p for p in paths if p.name.startswith(wanted)]
+        if not matches or not matches[0].is_file():
+            sys.exit(f"--notebook {wanted}: no such notebook (names start 01, 02, ...)")
+        chosen += [p for p in matches if p not in chosen]
+    return chosen
+
+
+def report(where: str, results: list[Result]) -> str:
+    """The markdown report: the device, one row per command, then what failed."""
+    rows = [
+        f"| {r.name} | `{r.command}` | {r.status} | {r.seconds:.0f} | {r.summary} |"
+        for r in results
+    ]
+    lines = [
+        "# GPU run",
+        "",
+        f"Device: {where}.",
+        "",
+        "| part | command | result | seconds | summary |",
+        "| --- | --- | --- | ---: | --- |",
+        *rows,
+    ]
+    for r in results:
+        if r.tail:
+            lines += ["", f"## {r.name}: {r.status}", "", "```text", r.tail, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tests, then the notebooks; write the report; 1 when anything failed."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "gpu_run")
+    parser.add_argument("--tests", nargs="*", default=["tests"], help="paths for pytest")
+    parser.add_argument("--no-tests", action="store_true", help="skip part 1")
+    parser.add_argument("--notebook", action="append", default=[], help="name prefix or path")
+    parser.add_argument("--no-notebooks", action="store_true", help="skip part 2")
+    parser.add_argument("--jobs", type=int, default=3, help="notebooks at a time")
+    parser.add_argument("--cell-timeout", type=float, default=300.0)
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for everything")
+    args = parser.parse_args(argv)
+    deadline = time.time() + args.budget
+    cuda, where = device()
+    print(f"Device: {where}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+    if not args.no_tests:
+        results.append(run_tests(args.tests, deadline - time.time()))
+        print(f"pytest -m gpu: {results[-1].status}, {results[-1].summary}", flush=True)
+    if not args.no_notebooks:
+        paths = [str(p) for p in notebook_paths(args.notebook)]
+        context = get_context("spawn")  # a kernel per notebook; nothing CUDA is inherited
+        with ProcessPoolExecutor(max(1, args.jobs), mp_context=context) as pool:
+            runs = [
+                pool.submit(run_notebook, p, str(args.out), cuda, args.cell_timeout, deadline)
+                for p in paths
+            ]
+            for run in runs:
+                results.append(run.result())
+                print(f"{results[-1].name}: {results[-1].status}", flush=True)
+    (args.out / "gpu_validation.md").write_text(report(where, results))
+    (args.out / "gpu_validation.json").write_text(
+        json.dumps({"device": where, "results": [vars(r) for r in results]}, indent=1)
+    )
+    print(f"wrote {args.out / 'gpu_validation.md'}", flush=True)
+    return 1 if any(r.status != "passed" for r in results) else 0
 
 
 if __name__ == "__main__":

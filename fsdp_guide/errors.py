@@ -12,10 +12,12 @@ from typing import Any
 __all__ = [
     "CheckpointError",
     "CollectiveCallError",
+    "CollectiveMismatchError",
     "CommandError",
     "EngineUnavailableError",
     "LaunchError",
     "LaunchTimeout",
+    "MetaInitError",
     "MissingRequirementError",
     "OptimizerMismatchError",
     "PlanError",
@@ -116,6 +118,30 @@ class CollectiveCallError(RuntimeError):
     """
 
 
+class CollectiveMismatchError(LaunchError, CollectiveCallError):
+    """The ranks wait in different collectives, so none can finish; all were stopped.
+
+    Raised by :func:`~fsdp_guide.launcher.launch` within seconds of the moment no rank
+    makes progress any more, instead of at the launch timeout: each rank calls the
+    collectives in a different order, or one rank calls a collective the others skip.
+
+    Attributes:
+        calls: For each rank, the collective it waits in and where it was called.
+
+    Examples:
+        >>> err = CollectiveMismatchError("ranks disagree", calls={0: "all_reduce", 1: "barrier"})
+        >>> isinstance(err, LaunchError), isinstance(err, CollectiveCallError), err.calls[1]
+        (True, True, 'barrier')
+    """
+
+    def __init__(self, message: str, *, calls: dict[int, str]) -> None:
+        super().__init__(message)
+        self.calls = calls
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), {"calls": self.calls}))
+
+
 class OptimizerMismatchError(ValueError):
     """The optimizer does not hold the parameters of the (wrapped) model it should train."""
 
@@ -147,3 +173,11 @@ class PlanError(ValueError):
 
 class CommandError(Exception):
     """Bad input found while running a command: printed as one line, exit status 2."""
+
+
+class MetaInitError(ValueError):
+    """A model built on the meta device could not be given its weights as asked.
+
+    Raised before anything is allocated: a module with tensors of its own but no
+    ``reset_parameters()`` to initialise them, or weights tied between modules.
+    """

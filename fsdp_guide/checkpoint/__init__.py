@@ -21,20 +21,23 @@ and FSDP2, a DeepSpeed engine), never passed in; how each one's state goes in an
 adapter's to say (:class:`fsdp_guide.engines.Engine`).
 
 A failure on any rank raises the same :class:`~fsdp_guide.errors.CheckpointError` on every
-rank, so no rank is left waiting and nothing is loaded halfway. The two formats, what loads
-where, and how files are written and read safely: :doc:`/guide/checkpoints`. PyTorch FSDP
-shards are written with `torch.distributed.checkpoint
+rank, so no rank is left waiting and nothing is loaded halfway. Every file is checked against
+a SHA-256, and a failed or killed save leaves nothing the next save does not remove. The two
+formats, what loads where, and how files are written and read safely:
+:doc:`/guide/checkpoints`. PyTorch FSDP shards are written with `torch.distributed.checkpoint
 <https://docs.pytorch.org/docs/stable/distributed.checkpoint.html>`__ (DCP), DeepSpeed's
 with its own `checkpointing <https://deepspeed.readthedocs.io/en/latest/model-checkpointing.html>`__.
 """
 
 from __future__ import annotations
 
-from fsdp_guide.checkpoint._api import consolidate, load, save
+from fsdp_guide.checkpoint._api import load, save
+from fsdp_guide.checkpoint._consolidate import consolidate
 
 # Kept importable for code written against earlier versions: fsdp_guide.engines.detect names
 # the engine, fsdp_guide.errors documents the error.
 from fsdp_guide.checkpoint._detect import detect_strategy as detect_strategy
+from fsdp_guide.checkpoint._into_shards import load_full_state_dict, read_full_state_dict
 from fsdp_guide.errors import CheckpointError as CheckpointError
 
-__all__ = ["consolidate", "load", "save"]
+__all__ = ["consolidate", "load", "load_full_state_dict", "read_full_state_dict", "save"]

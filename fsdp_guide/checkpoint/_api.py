@@ -1,4 +1,4 @@
-"""save, load and consolidate: the collective entry points of checkpointing (private)."""
+"""save and load: the collective entry points of checkpointing (private)."""
 
 from __future__ import annotations
 
@@ -9,25 +9,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from fsdp_guide.checkpoint._agree import agree, attempt, rank_and_world
 from fsdp_guide.checkpoint._detect import engine_of
-from fsdp_guide.checkpoint._dir import (
-    agree,
-    attempt,
-    check_sharded_target,
-    open_offline,
-    open_sharded,
-    rank_and_world,
-    write_sharded,
-)
-from fsdp_guide.checkpoint._io import (
-    FORMAT_VERSION,
-    FULL_FORMAT,
-    atomic_write_torch,
-    check_weights_only_value,
-    read_torch,
-)
+from fsdp_guide.checkpoint._dir import check_sharded_target, open_sharded, write_sharded
+from fsdp_guide.checkpoint._full import full_payload, read_full, write_full
+from fsdp_guide.checkpoint._io import check_weights_only_value
 from fsdp_guide.checkpoint._names import check_optimizer_fits, inner_optimizer, state_keys
-from fsdp_guide.checkpoint._shards import consolidate_state, load_sharded_state, sharded_writer
+from fsdp_guide.checkpoint._shards import load_sharded_state, sharded_writer
 from fsdp_guide.checkpoint._state import (
     get_full_state,
     set_full_state,
@@ -37,31 +25,6 @@ from fsdp_guide.errors import CheckpointError
 from fsdp_guide.launcher import every_rank_enters
 
 CheckpointKind = Literal["full", "sharded"]
-
-
-def _full_payload(
-    strategy: str,
-    world_size: int,
-    model_state: dict[str, Any] | None,
-    optim_state: dict[str, Any] | None,
-    optimizer_class: str | None,
-    extra: Any,
-) -> dict[str, Any]:
-    """What a full checkpoint file holds; written by :func:`save` and :func:`consolidate`."""
-    return {
-        "format": FULL_FORMAT,
-        "version": FORMAT_VERSION,
-        "strategy": strategy,
-        "world_size": world_size,
-        # An engine's own gathered optimizer state (FairScale FSDP's) is keyed by position.
-        "optimizer_keys": "position"
-        if engine_class(strategy).full_optimizer_keys == "own" and optim_state is not None
-        else "name",
-        "optimizer_class": optimizer_class,
-        "model": model_state,
-        "optimizer": optim_state,
-        "extra": extra,
-    }
 
 
 def _check_save_arguments(path: Path, kind: str, engine: Engine | str, extra: Any) -> None:
@@ -144,8 +107,8 @@ def save(
         failure = None
         if rank == 0:
             name = type(inner_optimizer(optimizer)).__name__ if optimizer is not None else None
-            payload = _full_payload(strategy, world, model_state, optim_state, name, extra)
-            _, failure = attempt(lambda: atomic_write_torch(path, payload))
+            payload = full_payload(strategy, world, model_state, optim_state, name, extra)
+            _, failure = attempt(lambda: write_full(path, payload))
         agree(failure)
         return path
     header, write = sharded_writer(model, optimizer, engine)
@@ -209,7 +172,7 @@ def load(
             f"{path} is a full checkpoint; a {engine.title} engine loads the sharded directory "
             "its save wrote. Load the full file into the plain model before building the engine"
         )
-    payload, failure = attempt(lambda: _read_full(path))
+    payload, failure = attempt(lambda: read_full(path))
     agree(failure)
     assert payload is not None
     if optimizer is not None and payload["optimizer"] is None:
@@ -239,82 +202,3 @@ def load(
     set_full_state(model, optimizer, engine, payload["model"], payload["optimizer"])
     saved_extra: dict[str, Any] | None = payload["extra"]
     return saved_extra
-
-
-def _read_full(path: Path) -> dict[str, Any]:
-    payload = read_torch(path)
-    if not isinstance(payload, dict) or payload.get("format") != FULL_FORMAT:
-        raise CheckpointError(f"{path} is not a full checkpoint written by fsdp_guide")
-    return payload
-
-
-def consolidate(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> dict[str, Any]:
-    """Turn a sharded checkpoint directory into a full checkpoint file, in one process.
-
-    Needs neither the model code nor a process group, and loads every shard in this
-    process (enough host memory for the whole state is needed). Every file's SHA-256 is
-    checked first.
-
-    Args:
-        source: Directory written by ``save(..., kind="sharded")``.
-        target: File to write; it then loads at any world size.
-
-    Returns:
-        A summary with ``strategy``, ``world_size``, ``tensors`` and ``bytes`` of the model
-        state, and whether an ``optimizer`` state was consolidated (not for FairScale FSDP).
-
-    Raises:
-        CheckpointError: The source is not a complete, intact sharded checkpoint.
-
-    Examples:
-        An FSDP2 checkpoint of one rank, consolidated after its process group is gone:
-
-        >>> import tempfile
-        >>> import torch.distributed as dist
-        >>> from torch.distributed.device_mesh import init_device_mesh
-        >>> from torch.distributed.fsdp import fully_shard
-        >>> from fsdp_guide import dist_init, find_free_port
-        >>> dist_init(0, 1, master_port=find_free_port())
-        >>> model = fully_shard(nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))
-        >>> root = Path(tempfile.mkdtemp())
-        >>> _ = save(root / "sharded", model, kind="sharded", extra={"step": 3})
-        >>> dist.destroy_process_group()
-        >>> consolidate(root / "sharded", root / "full.pt")
-        {'strategy': 'fsdp2', 'world_size': 1, 'tensors': 2, 'bytes': 12, 'optimizer': False}
-        >>> load(root / "full.pt", nn.Linear(2, 1))
-        {'step': 3}
-
-        A plain module also loads the sharded checkpoint itself:
-
-        >>> layer = nn.Linear(2, 1)
-        >>> load(root / "sharded", layer)
-        {'step': 3}
-        >>> torch.equal(layer.weight, torch.load(root / "full.pt")["model"]["weight"])
-        True
-    """
-    source, target = Path(source), Path(target)
-    if not source.is_dir():
-        raise CheckpointError(
-            f"{source} is not a directory; consolidate takes a sharded checkpoint"
-        )
-    opened = open_offline(source)
-    index = opened.index
-    model_state, optim_state = consolidate_state(source, opened)
-    optimizer_class = index["optimizer"]["class"] if index.get("optimizer") else None
-    payload = _full_payload(
-        index["strategy"],
-        index["world_size"],
-        model_state,
-        optim_state,
-        optimizer_class,
-        opened.extra,
-    )
-    atomic_write_torch(target, payload)
-    tensors = [v for v in model_state.values() if isinstance(v, torch.Tensor)]
-    return {
-        "strategy": index["strategy"],
-        "world_size": index["world_size"],
-        "tensors": len(tensors),
-        "bytes": sum(t.numel() * t.element_size() for t in tensors),
-        "optimizer": optim_state is not None,
-    }

@@ -28,29 +28,40 @@ worst a crafted file can do is fail to parse, or describe tensors that fail DCP'
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
+import os
 import pickle
 import warnings
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.filesystem import (
+    FileSystem,
+    FileSystemReader,
+    FileSystemWriter,
+    _StorageInfo,
+)
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from fsdp_guide.checkpoint._write_errors import RecordingFile, raise_named, tensor_bytes
 from fsdp_guide.errors import CheckpointError
 
 METADATA_NAME = ".metadata"  # the name FileSystemWriter gives the metadata file
@@ -213,7 +224,24 @@ class _Reader(FileSystemReader):
 
 
 class _Planner(DefaultLoadPlanner):
-    """DCP's load planner, reading non-tensor values with ``weights_only=True``."""
+    """DCP's load planner, reading non-tensor values with ``weights_only=True``.
+
+    It also plans without DCP's guess at checkpoints of torch 2.3 and older. When a key of
+    the checkpoint is absent from this rank's flattened state dict, DCP's planner assumes
+    an old checkpoint and flattens again the old way, which turns the optimizer's
+    ``param_groups`` into one key the checkpoint lacks ("Missing key in checkpoint
+    state_dict: optimizer.param_groups"). A key is absent for a common reason, though: an
+    FSDP1 optimizer state gives a rank whose shard of a small parameter is empty a
+    ``ShardedTensor`` without local shards, which DCP drops before planning. Such a rank
+    has nothing of that tensor to read, so planning the keys it has is right; fsdp_guide
+    needs torch 2.6 or newer, so no checkpoint it reads was flattened the old way.
+    """
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        return create_default_local_load_plan(
+            self.state_dict, self.metadata, not self.allow_partial_load
+        )
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -227,6 +255,29 @@ class _Planner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
+class _NamingFileSystem(FileSystem):
+    """DCP's file system, whose written files name a failure for lack of space as such."""
+
+    def __init__(self, needed: int) -> None:
+        super().__init__()
+        self.needed = needed
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        recorder = None
+        try:
+            with super().create_stream(path, mode) as stream:
+                recorder = RecordingFile(stream)
+                yield recorder
+        except Exception as exc:
+            raise_named(exc, recorder, Path(path), self.needed)
+            raise
+
+
 def save(directory: Path, state: dict[str, Any]) -> list[str]:
     """``dcp.save`` of ``state`` into a new ``directory`` (collective: every rank calls it).
 
@@ -234,9 +285,11 @@ def save(directory: Path, state: dict[str, Any]) -> list[str]:
         Names (relative to ``directory``) of every file of the checkpoint, metadata last.
 
     Raises:
-        CheckpointException: DCP's own, on every rank, when writing failed on any rank.
+        CheckpointException: DCP's own, on every rank, when writing failed on any rank
+            (a failure for lack of space carries a ``CheckpointError`` saying so).
     """
     writer = FileSystemWriter(directory, overwrite=False)  # fsyncs each file it writes
+    writer.fs = _NamingFileSystem(tensor_bytes(state))
     metadata = dcp_save(state, storage_writer=writer)
     files = {info.relative_path for info in metadata.storage_data.values()}
     return [*sorted(files), METADATA_NAME]

@@ -7,7 +7,7 @@ The shards are DeepSpeed's own files, written by ``engine.save_checkpoint`` into
 * A rank whose write fails does not raise inside ``save_checkpoint``, whose barriers the
   other ranks would wait at until the process-group timeout: the failure is recorded, the
   rank goes on to the barriers, and every rank then raises it together
-  (:func:`~fsdp_guide.checkpoint._dir.agree`). The previous checkpoint stays, since the
+  (:func:`~fsdp_guide.checkpoint._agree.agree`). The previous checkpoint stays, since the
   index is replaced only after every rank wrote.
 * Every file is read with ``torch.load(weights_only=True)``, allowing only the three plain
   DeepSpeed records a ZeRO checkpoint holds (:func:`safe_globals`), never a full unpickle.

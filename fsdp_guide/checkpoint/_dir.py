@@ -1,4 +1,4 @@
-"""The sharded checkpoint directory, and how ranks agree on a failure.
+"""The sharded checkpoint directory: written by every rank, checked before loading.
 
 Layout of a directory written by :func:`write_sharded`::
 
@@ -17,10 +17,12 @@ still names the previous checkpoint's files, so an interrupted save loses nothin
 records each file's size and SHA-256; a load compares them before anything is parsed, each
 rank hashing its share of the data files.
 
-A failure on one rank must not leave the others waiting in a collective: every rank catches
-its own error (:func:`attempt`), the errors are exchanged (:func:`agree`, the one mechanism
-for this, which can carry a value from every rank too), and all ranks raise the same
-:class:`~fsdp_guide.errors.CheckpointError`.
+A failure on one rank must not leave the others waiting in a collective: all ranks raise
+the same :class:`~fsdp_guide.errors.CheckpointError` (``fsdp_guide/checkpoint/_agree.py``),
+and only once every rank has removed the failed attempt's ``data-<id>`` directory, since a
+launcher stops the other ranks as soon as one raises. A rank killed outright leaves its
+attempt behind; the next save removes every ``data-*`` directory the index does not name
+(:func:`remove_stale_attempts`). A load never removes anything.
 """
 
 from __future__ import annotations
@@ -31,14 +33,15 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from fsdp_guide.checkpoint._dcp import METADATA_NAME, describe_failure, read_metadata
+from fsdp_guide.checkpoint._agree import Failure, agree, attempt, rank_and_world
+from fsdp_guide.checkpoint._dcp import METADATA_NAME, read_metadata
 from fsdp_guide.checkpoint._deepspeed import check_fits as deepspeed_fits
+from fsdp_guide.checkpoint._index import read_index, verify_sha256
 from fsdp_guide.checkpoint._io import (
     DATA_DIR,
     FORMAT_VERSION,
@@ -47,23 +50,13 @@ from fsdp_guide.checkpoint._io import (
     atomic_write_bytes,
     atomic_write_torch,
     fsync_directory,
-    read_index,
     read_torch,
     sha256_of,
-    verify_sha256,
 )
 from fsdp_guide.engines import Engine, engine_class
 from fsdp_guide.errors import CheckpointError
 
 EXTRA_NAME = "extra.pt"
-_T = TypeVar("_T")
-
-
-class Failure(NamedTuple):
-    """An error on some rank: the rank it happened on, and what went wrong."""
-
-    rank: int
-    message: str
 
 
 @dataclass(frozen=True)
@@ -73,74 +66,6 @@ class Opened:
     index: dict[str, Any]
     extra: dict[str, Any] | None
     metadata: Metadata | None  # DCP's, for layout "dcp"
-
-
-def rank_and_world() -> tuple[int, int]:
-    """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one.
-
-    Examples:
-        >>> rank_and_world()
-        (0, 1)
-    """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def attempt(action: Callable[[], _T]) -> tuple[_T | None, Failure | None]:
-    """Run ``action``; return ``(value, None)``, or ``(None, failure)`` if it raised.
-
-    DCP raises the same ``CheckpointException`` on every rank; its failure is attributed to
-    the rank where it happened, so all ranks report it alike.
-
-    Examples:
-        >>> attempt(lambda: 1 / 0)
-        (None, Failure(rank=0, message='ZeroDivisionError: division by zero'))
-    """
-    try:
-        return action(), None
-    except CheckpointException as exc:  # a BaseException, so caught by name
-        return None, Failure(*describe_failure(exc))
-    except CheckpointError as exc:
-        return None, Failure(rank_and_world()[0], str(exc))
-    except Exception as exc:
-        return None, Failure(rank_and_world()[0], f"{type(exc).__name__}: {exc}")
-
-
-def agree(failure: Failure | None, value: Any = None) -> list[Any]:
-    """Exchange every rank's ``value`` and ``failure`` (collective); all raise the first failure.
-
-    Returns:
-        Every rank's ``value``, ordered by rank, when no rank failed.
-
-    Raises:
-        CheckpointError: Some rank failed; the lowest failing rank's message, prefixed with
-            that rank when several run, unless every rank failed alike.
-
-    Examples:
-        >>> agree(None, {"written": 2})
-        [{'written': 2}]
-        >>> agree(Failure(0, "disk full"))
-        Traceback (most recent call last):
-        ...
-        fsdp_guide.errors.CheckpointError: disk full
-    """
-    _, world = rank_and_world()
-    gathered: list[Any] = [(value, failure)]
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (value, failure))
-    failures = [Failure(*f) for _, f in gathered if f is not None]
-    if failures:
-        first = min(failures)
-        # Each rank failing alike on its own (a check of the same inputs) is not one rank's
-        # failure: naming a rank would only mislead.
-        everywhere = {f.rank for f in failures} == set(range(world)) and all(
-            f.message == first.message for f in failures
-        )
-        prefix = "" if world == 1 or everywhere else f"rank {first.rank}: "
-        raise CheckpointError(prefix + first.message)
-    return [v for v, _ in gathered]
 
 
 def check_sharded_target(path: Path) -> None:
@@ -231,6 +156,8 @@ def write_sharded(
     """
     rank, world = rank_and_world()
     names = [f"data-{uuid.uuid4().hex[:12]}"]  # matches DATA_DIR
+    if rank == 0:
+        remove_stale_attempts(path)
     if world > 1:  # every rank must write into the same new sub-directory
         dist.broadcast_object_list(names, src=0)
     data = path / names[0]
@@ -248,10 +175,22 @@ def write_sharded(
             for name in mine
         }
 
+    def settle(failure: Failure | None, value: Any = None) -> list[Any]:
+        # On a failure every rank removes the attempt, and none raises before all are done:
+        # a launcher stops the other ranks as soon as one raises, and a cleanup left to one
+        # rank (in a finally) was cut short by that in 3 of 9 failed saves.
+        try:
+            return agree(failure, value)
+        except CheckpointError:
+            shutil.rmtree(data, ignore_errors=True)
+            if world > 1:
+                dist.barrier()
+            raise
+
     info, failure = attempt(write_and_hash)
     succeeded = False
     try:
-        infos = agree(failure, info)
+        infos = settle(failure, info)
         if rank == 0:
             index = {
                 "format": SHARDED_FORMAT,
@@ -271,15 +210,47 @@ def write_sharded(
                 atomic_write_bytes(path / INDEX_NAME, json.dumps(index, indent=1).encode())
 
             _, failure = attempt(publish)
-        agree(failure)
+        settle(failure)
         succeeded = True
     finally:
-        if rank == 0:  # after a success the older data directories go; else this attempt's
-            for data_dir in path.iterdir() if path.is_dir() else []:
-                if not DATA_DIR.fullmatch(data_dir.name) or not data_dir.is_dir():
-                    continue  # never anything this module did not name
-                if (data_dir.name == names[0]) != succeeded:
-                    shutil.rmtree(data_dir, ignore_errors=True)
+        if rank == 0 and succeeded:  # the older data directories go
+            _remove_data_dirs(path, keep=names[0])
+        elif rank == 0:  # this attempt's, in case it ended in something other than an error
+            shutil.rmtree(data, ignore_errors=True)
+
+
+def _remove_data_dirs(path: Path, keep: str | None) -> None:
+    for data_dir in path.iterdir() if path.is_dir() else []:
+        # Never anything this module did not name.
+        if DATA_DIR.fullmatch(data_dir.name) and data_dir.is_dir() and data_dir.name != keep:
+            shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def remove_stale_attempts(path: Path) -> None:
+    """Remove ``data-*`` directories of ``path`` that its index does not name.
+
+    They are what saves that did not finish left: a rank killed (out of memory, SIGKILL)
+    before it could remove its attempt. Without an index every ``data-*`` directory is one;
+    with an index that cannot be read, nothing is removed.
+
+    Examples:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> (root / "data-0123456789ab").mkdir()
+        >>> remove_stale_attempts(root)
+        >>> list(root.iterdir())
+        []
+    """
+    if not path.is_dir():
+        return
+    index_path = path / INDEX_NAME
+    keep = None
+    if index_path.exists():
+        try:
+            keep = str(json.loads(index_path.read_text())["extra"]).split("/")[0]
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # a damaged index: a load reports it, and nothing is guessed here
+    _remove_data_dirs(path, keep)
 
 
 def _saved_engine(path: Path, name: object) -> type[Engine]:

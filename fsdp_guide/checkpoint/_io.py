@@ -1,39 +1,45 @@
-"""Files of a checkpoint: atomic writes, ``weights_only`` reads, and the index of a directory.
+"""Files of a checkpoint: atomic writes and ``weights_only`` reads.
 
 Everything here is single-process and knows nothing about models: it turns a nested
 structure of tensors and plain values into bytes on disk and back, safely.
 
 * A write goes to a hidden file beside the target, is flushed and ``fsync``-ed, then
   renamed over the target (:func:`os.replace` is atomic on POSIX). A crash half-way leaves
-  the old file untouched and, at worst, a ``.*.tmp-*`` file that nothing reads.
+  the old file untouched and, at worst, a ``.<target>.tmp-<host>-<pid>-*`` file that nothing
+  reads and that the next write of the same target removes once its writer is gone
+  (``fsdp_guide/checkpoint/_temps.py``). A write that fails for lack of space says so, with
+  the free space and the bytes needed (``fsdp_guide/checkpoint/_write_errors.py``).
+* A full checkpoint file also stores a SHA-256 of its contents, checked before it is
+  unpickled (``fsdp_guide/checkpoint/_digest.py``).
 * A read uses ``torch.load(weights_only=True)``: only tensors, numbers, strings and
   containers come back, and a file carrying any other pickled object is refused before that
   object is built, so no code in it runs. A file that is not a zip archive (what
   ``torch.save`` writes) is refused as truncated or corrupt before anything parses it.
 * A sharded checkpoint is a directory whose ``index.json`` is written last and names every
-  file with its size and SHA-256, so a missing, truncated or changed file is found before
-  loading. (The hash proves integrity, not origin: whoever writes a file can write a
-  matching index. Safety comes from how each file is parsed; see
-  ``fsdp_guide/checkpoint/_dcp.py`` for DCP's pickled ``.metadata``.)
+  file with its size and SHA-256 (``fsdp_guide/checkpoint/_index.py``), so a missing,
+  truncated or changed file is found before loading. (The hash proves integrity, not
+  origin: whoever writes a file can write a matching index. Safety comes from how each
+  file is parsed; see ``fsdp_guide/checkpoint/_dcp.py`` for DCP's pickled ``.metadata``.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import pickle
 import re
-import uuid
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fsdp_guide.checkpoint import _digest
+from fsdp_guide.checkpoint._temps import remove_stale_temps, temp_path
+from fsdp_guide.checkpoint._write_errors import RecordingFile, raise_named, tensor_bytes
 from fsdp_guide.errors import CheckpointError
 
 INDEX_NAME = "index.json"
@@ -101,15 +107,40 @@ def fsync_directory(directory: Path) -> None:
             os.close(fd)
 
 
-def _atomic_write(target: Path, write: Any) -> None:
-    target = Path(target)
+def _make_parent(target: Path) -> None:
+    for parent in (target.parent, *target.parent.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise CheckpointError(
+                    f"cannot write {target}: {parent} is a file, not a directory; choose "
+                    "another path"
+                )
+            break
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _atomic_write(
+    target: Path, write: Callable[[Any], object], needed: int | None, seal: bool = False
+) -> None:
+    target = Path(target)
+    _make_parent(target)
+    remove_stale_temps(target)  # left by writers of this target killed half-way
+    tmp = temp_path(target)
     try:
-        with open(tmp, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        handle = None
+        try:
+            with open(tmp, "wb") as raw:
+                handle = RecordingFile(raw)
+                write(handle)
+                handle.flush()
+                os.fsync(raw.fileno())
+            if seal:
+                _digest.seal(tmp)  # from the bytes on disk, not from memory
+                with open(tmp, "rb+") as raw:
+                    os.fsync(raw.fileno())
+        except Exception as exc:
+            raise_named(exc, handle, target, needed)
+            raise
         os.replace(tmp, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -117,8 +148,18 @@ def _atomic_write(target: Path, write: Any) -> None:
     fsync_directory(target.parent)
 
 
-def atomic_write_torch(target: Path, payload: Any) -> None:
+def atomic_write_torch(target: Path, payload: Any, seal: bool = False) -> None:
     """``torch.save(payload)`` to ``target`` so that it is either the old file or the whole new one.
+
+    Temporary files of ``target`` left by writers that were killed are removed first. A
+    write that fails for lack of space raises a :class:`CheckpointError` naming the cause,
+    the free space and the bytes the payload's tensors take.
+
+    Args:
+        target: The file to write.
+        payload: What to save.
+        seal: Store a SHA-256 of the contents in the file (a full checkpoint), which
+            :func:`fsdp_guide.checkpoint._digest.verify` checks.
 
     Examples:
         >>> import tempfile
@@ -127,7 +168,7 @@ def atomic_write_torch(target: Path, payload: Any) -> None:
         >>> read_torch(path)["x"]
         tensor([1., 1.])
     """
-    _atomic_write(target, lambda handle: torch.save(payload, handle))
+    _atomic_write(target, lambda handle: torch.save(payload, handle), tensor_bytes(payload), seal)
 
 
 def atomic_write_bytes(target: Path, data: bytes) -> None:
@@ -140,7 +181,7 @@ def atomic_write_bytes(target: Path, data: bytes) -> None:
         >>> path.read_bytes()
         b'{}'
     """
-    _atomic_write(target, lambda handle: handle.write(data))
+    _atomic_write(target, lambda handle: handle.write(data), len(data))
 
 
 def read_torch(path: Path) -> Any:
@@ -197,100 +238,3 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def verify_sha256(directory: Path, index: dict[str, Any], names: Iterable[str]) -> None:
-    """Compare the SHA-256 of each file in ``names`` with the one ``index`` records.
-
-    Raises:
-        CheckpointError: Naming the first file whose bytes changed after saving.
-
-    Examples:
-        >>> import tempfile
-        >>> root = Path(tempfile.mkdtemp())
-        >>> _ = (root / "a").write_bytes(b"")
-        >>> verify_sha256(root, {"files": {"a": {"sha256": "0" * 64}}}, ["a"])
-        Traceback (most recent call last):
-        ...
-        fsdp_guide.errors.CheckpointError: a in ... does not match its SHA-256 in the index: ...
-    """
-    for name in names:
-        if sha256_of(directory / name) != index["files"][name]["sha256"]:
-            raise CheckpointError(
-                f"{name} in {directory} does not match its SHA-256 in the index: it was "
-                "changed after saving; copy it again or use an earlier checkpoint"
-            )
-
-
-def _check_file_name(directory: Path, name: Any) -> None:
-    # Only "data-<id>/<file>": an index must not make a load open files elsewhere.
-    parts = name.split("/") if isinstance(name, str) else []
-    if len(parts) != 2 or not DATA_DIR.fullmatch(parts[0]) or parts[1] in ("", ".", ".."):
-        raise CheckpointError(
-            f"{directory / INDEX_NAME} names {name!r}, which is not a file of a data-<id> "
-            "directory: the index is corrupt or was not written by fsdp_guide"
-        )
-
-
-def read_index(directory: Path, verify: bool = True) -> dict[str, Any]:
-    """Read ``index.json`` of a sharded checkpoint and check every file it names.
-
-    Args:
-        directory: The checkpoint directory.
-        verify: Also compare each file's SHA-256 (sizes are always compared); see
-            :func:`verify_sha256` to hash some files only.
-
-    Returns:
-        The index: ``format``, ``version``, ``strategy``, ``world_size``, ``layout``,
-        ``data`` (the ``data-<id>`` directory), ``optimizer`` (its class and state keys, or
-        ``None``) and ``files`` (relative path to ``{"size", "sha256"}``).
-
-    Raises:
-        CheckpointError: No index (an unfinished or foreign directory), an index of a newer
-            format, a file missing, of the wrong size or with the wrong hash.
-
-    Examples:
-        >>> import tempfile
-        >>> read_index(Path(tempfile.mkdtemp()))
-        Traceback (most recent call last):
-        ...
-        fsdp_guide.errors.CheckpointError: no index.json in ...: not a finished sharded ...
-    """
-    directory = Path(directory)
-    index_path = directory / INDEX_NAME
-    if not index_path.is_file():
-        raise CheckpointError(
-            f"no {INDEX_NAME} in {directory}: not a finished sharded checkpoint (a save that "
-            "did not complete writes its index last); use an earlier checkpoint"
-        )
-    try:
-        index: dict[str, Any] = json.loads(index_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{index_path} is not valid JSON ({exc})") from exc
-    if not isinstance(index, dict) or index.get("format") != SHARDED_FORMAT:
-        raise CheckpointError(f"{index_path} is not an fsdp_guide sharded checkpoint index")
-    if not isinstance(index.get("version"), int) or index["version"] > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{index_path} has format version {index.get('version')!r}; this fsdp_guide reads "
-            f"versions up to {FORMAT_VERSION}: upgrade fsdp_guide"
-        )
-    files = index.get("files")
-    if not isinstance(files, dict):
-        raise CheckpointError(f"{index_path} lists no files: the index is corrupt")
-    for name, info in files.items():
-        _check_file_name(directory, name)
-        path = directory / name
-        if not path.is_file():
-            raise CheckpointError(
-                f"missing checkpoint file {name} in {directory} (the index lists {len(files)} "
-                "files); copy the whole directory, or use an earlier checkpoint"
-            )
-        size = path.stat().st_size
-        if size != info["size"]:
-            raise CheckpointError(
-                f"{name} in {directory} is truncated or changed: {size} bytes, the index "
-                f"says {info['size']}; copy it again or use an earlier checkpoint"
-            )
-    if verify:
-        verify_sha256(directory, index, files)
-    return index

@@ -27,14 +27,9 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from fsdp_guide.checkpoint import _dcp
+from fsdp_guide.checkpoint._agree import agree, attempt, rank_and_world
 from fsdp_guide.checkpoint._deepspeed import consolidate_fp32, deepspeed_writer, load_engine
-from fsdp_guide.checkpoint._dir import (
-    Opened,
-    agree,
-    attempt,
-    rank_and_world,
-    shard_name,
-)
+from fsdp_guide.checkpoint._dir import Opened, shard_name
 from fsdp_guide.checkpoint._io import atomic_write_torch, read_torch
 from fsdp_guide.checkpoint._names import check_names_and_shapes, optimizer_record, shape_of
 from fsdp_guide.engines import Engine, engine_class, without_state

@@ -7,7 +7,6 @@ which the one-line parser prints as one line on stderr with exit status 2.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 from collections.abc import Callable
 
@@ -15,8 +14,27 @@ _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]
 _COUNT_SCALE = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """A ``type=`` for integers of at least ``minimum``.
+# Upper bounds: a world size beyond any cluster, and what one machine can start as processes.
+MAX_WORLD_SIZE = 2**20  # what the planner handles (1,048,576 ranks)
+MAX_LOCAL_RANKS = 128
+MAX_TOKENS = 10**9  # a batch size or a sequence length
+MAX_PARAMS = 1e15  # a thousand times the largest models trained
+
+
+def shown(text: str, limit: int = 40) -> str:
+    """``repr(text)``, shortened to about ``limit`` characters for a one-line message.
+
+    Examples:
+        >>> shown("9" * 401)
+        "'99999999999999999999999999999999...' (401 characters)"
+    """
+    if len(text) <= limit:
+        return repr(text)
+    return f"{repr(text[: limit - 8])[:-1]}...' ({len(text)} characters)"
+
+
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """A ``type=`` for integers of at least ``minimum`` (and at most ``maximum``, if given).
 
     Examples:
         >>> int_at_least(1)("3")
@@ -25,15 +43,20 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
         Traceback (most recent call last):
         ...
         argparse.ArgumentTypeError: must be an integer >= 1, got '0'
+        >>> int_at_least(1, 64)("1" + "0" * 400)
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: must be an integer from 1 to 64, got '1000...' (401 characters)
     """
 
     def parse(text: str) -> int:
         try:
             value = int(text)
-        except ValueError:
+        except ValueError:  # also past Python's 4300-digit limit
             value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}, got {shown(text)}")
         return value
 
     return parse
@@ -48,14 +71,14 @@ def count(text: str) -> float:
         >>> count("1e400")
         Traceback (most recent call last):
         ...
-        argparse.ArgumentTypeError: must be a positive count such as 7e9, 7B or 350M, got '1e400'
+        argparse.ArgumentTypeError: must be a positive count such as 7e9, 7B or 350M, at most ...
     """
     match = _COUNT_RE.match(text)
     value = float(match.group(1)) * _COUNT_SCALE[match.group(2).lower()] if match else 0.0
     # Below 1 is no count of parameters; an overflow (1e400) reads as infinity.
-    if not 1 <= value < math.inf:
+    if not 1 <= value <= MAX_PARAMS:
         raise argparse.ArgumentTypeError(
-            f"must be a positive count such as 7e9, 7B or 350M, got {text!r}"
+            f"must be a positive count such as 7e9, 7B or 350M, at most 1e15, got {shown(text)}"
         )
     return value
 
@@ -179,4 +202,26 @@ def fraction(text: str) -> float:
         value = -1.0
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be a number from 0 to below 1, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A ``type=`` for a duration in seconds, above zero and at most a day.
+
+    Examples:
+        >>> seconds("2.5")
+        2.5
+        >>> seconds("0")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: must be a number of seconds above 0, at most 86400, got '0'
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 86400:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds above 0, at most 86400, got {shown(text)}"
+        )
     return value

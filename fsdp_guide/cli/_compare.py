@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, get_args
 
-from fsdp_guide.cli._args import int_at_least, strategy_list
+from fsdp_guide.cli._args import MAX_LOCAL_RANKS, MAX_TOKENS, int_at_least, strategy_list
 from fsdp_guide.models import ModelName
 
 
@@ -29,14 +29,20 @@ def add_parser(sub: Any) -> None:
         "in the last step next to their prediction, and the time per step.",
     )
     p.add_argument(
-        "--world-size", type=int_at_least(1), default=2, help="ranks per run (default 2)"
+        "--world-size",
+        type=int_at_least(1, MAX_LOCAL_RANKS),
+        default=2,
+        help="ranks per run (default 2)",
     )
     p.add_argument("--model", choices=get_args(ModelName), default="transformer")
     p.add_argument(
         "--steps", type=int_at_least(1), default=3, help="training steps per strategy (default 3)"
     )
     p.add_argument(
-        "--batch-size", type=int_at_least(1), default=8, help="global batch size (default 8)"
+        "--batch-size",
+        type=int_at_least(1, MAX_TOKENS),
+        default=8,
+        help="global batch size (default 8)",
     )
     p.add_argument(
         "--strategies",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fsdp_guide.cli._args import int_at_least
+from fsdp_guide.cli._args import MAX_LOCAL_RANKS, int_at_least
 
 
 def add_parser(sub: Any) -> None:
@@ -13,7 +13,12 @@ def add_parser(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "demo", help="launch ranks on gloo, all-reduce, print what each saw"
     )
-    p.add_argument("--world-size", type=int_at_least(1), default=2)
+    p.add_argument(
+        "--world-size",
+        type=int_at_least(1, MAX_LOCAL_RANKS),
+        default=2,
+        help=f"ranks to start on this machine, at most {MAX_LOCAL_RANKS}; default 2",
+    )
     p.set_defaults(func=_run)
 
 

@@ -6,6 +6,8 @@ import argparse
 from typing import Any, get_args
 
 from fsdp_guide.cli._args import (
+    MAX_TOKENS,
+    MAX_WORLD_SIZE,
     catalog_names,
     count,
     fraction,
@@ -13,6 +15,7 @@ from fsdp_guide.cli._args import (
     int_at_least,
     key_value,
     positive_size,
+    seconds,
 )
 from fsdp_guide.memory import OptimizerName, Precision
 
@@ -44,15 +47,27 @@ def add_parser(sub: Any) -> None:
         "(activations traced, nothing allocated), e.g. fsdp_guide.models:TinyTransformer",
     )
     p.add_argument(
+        "--build-timeout",
+        type=seconds,
+        default=120.0,
+        metavar="SECONDS",
+        help="time allowed to import, build and trace the --model; default 120",
+    )
+    p.add_argument(
         "--model-arg",
         type=key_value,
         action="append",
         metavar="KEY=VALUE",
         help="keyword argument of the builder (repeat it)",
     )
-    p.add_argument("--batch-size", type=int_at_least(1), default=1, help="samples per rank")
     p.add_argument(
-        "--seq-len", type=int_at_least(1), default=None, help="tokens per sample (model's)"
+        "--batch-size", type=int_at_least(1, MAX_TOKENS), default=1, help="samples per rank"
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int_at_least(1, MAX_TOKENS),
+        default=None,
+        help="tokens per sample (model's)",
     )
     p.add_argument(
         "--strategy", type=catalog_names, default=None, help="strategies to plan; default all"
@@ -70,7 +85,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="one JSON object per strategy")
     p.add_argument(
-        "--world-size", type=int_at_least(1), default=8, help="number of GPUs (ranks); default 8"
+        "--world-size",
+        type=int_at_least(1, MAX_WORLD_SIZE),
+        default=8,
+        help="number of GPUs (ranks); default 8",
     )
     p.add_argument("--precision", choices=get_args(Precision), default="mixed")
     p.add_argument("--optimizer", choices=get_args(OptimizerName), default="adam")

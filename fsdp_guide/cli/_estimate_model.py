@@ -3,19 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
-from collections.abc import Callable
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsdp_guide.errors import CommandError
 
 
+class _Stopped(BaseException):
+    """Ends building early with a message; not an ``Exception``, so no builder swallows it."""
+
+
+def _import(module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CommandError(f"cannot import {module_name!r}: {exc}") from exc
+    except SystemExit as exc:
+        raise CommandError(f"importing {module_name!r} called sys.exit({exc.code!r})") from None
+    except Exception as exc:  # the module's own code failed
+        raise CommandError(f"importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
+
+
 def load_builder(path: str, kwargs: dict[str, Any]) -> Callable[[], Any]:
     """A function building the model ``package.module:builder`` with ``kwargs``.
 
+    The module is imported now; the builder runs when the function is called, and a
+    builder that calls ``sys.exit`` instead of returning stops building with a message.
+
     Raises:
-        CommandError: When the module or the builder cannot be found.
+        CommandError: When the module cannot be imported (whatever it raised) or the
+            builder cannot be found.
 
     Examples:
         >>> load_builder("fsdp_guide.models:MLP", {"depth": 1})().net[0].in_features
@@ -26,14 +49,60 @@ def load_builder(path: str, kwargs: dict[str, Any]) -> Callable[[], Any]:
         fsdp_guide.errors.CommandError: module fsdp_guide.models has no attribute 'Nope'
     """
     module_name, _, attribute = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise CommandError(f"cannot import {module_name!r}: {exc}") from exc
-    builder = getattr(module, attribute, None)
+    builder = getattr(_import(module_name), attribute, None)
     if not callable(builder):
         raise CommandError(f"module {module_name} has no attribute {attribute!r}")
-    return lambda: builder(**kwargs)
+
+    def build() -> Any:
+        try:
+            return builder(**kwargs)
+        except SystemExit as exc:
+            raise _Stopped(
+                f"the model builder {path} called sys.exit({exc.code!r}) instead of returning "
+                "a model"
+            ) from None
+
+    return build
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str) -> Iterator[None]:
+    """Stop the block with a :class:`CommandError` after ``seconds`` (main thread, POSIX).
+
+    Elsewhere (another thread, Windows) the block runs without a limit.
+
+    Examples:
+        >>> import time
+        >>> with time_limit(0.05, "sleeping"):
+        ...     time.sleep(5)
+        Traceback (most recent call last):
+        ...
+        fsdp_guide.errors.CommandError: sleeping did not finish within 0.05 s ...
+    """
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _Stopped(
+            f"{what} did not finish within {seconds:g} s (a builder waiting on input, a "
+            "download or a lock never returns); fix it, or allow longer with --build-timeout"
+        )
+
+    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not usable:
+        yield
+        return
+    handler = signal.signal(signal.SIGALRM, expire)
+    started = time.monotonic()
+    outer, interval = signal.setitimer(signal.ITIMER_REAL, seconds)  # a caller's own timer
+    try:
+        yield
+    except _Stopped as exc:
+        raise CommandError(str(exc)) from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, handler)
+        if outer > 0:  # give it back what is left of it
+            left = max(outer - (time.monotonic() - started), 1e-3)
+            signal.setitimer(signal.ITIMER_REAL, left, interval)
 
 
 def _checkpointing(value: str | None) -> Any:
@@ -43,10 +112,7 @@ def _checkpointing(value: str | None) -> Any:
     if value is None or value == "blocks":
         return value
     module_name, colon, name = value.partition(":")
-    try:
-        layer = getattr(importlib.import_module(module_name), name, None) if colon else None
-    except ImportError as exc:
-        raise CommandError(f"cannot import {module_name!r}: {exc}") from exc
+    layer = getattr(_import(module_name), name, None) if colon else None
     if not (isinstance(layer, type) and issubclass(layer, nn.Module)):
         raise CommandError(
             f"--activation-checkpointing takes 'blocks' or package.module:Class of a Module, "
@@ -60,23 +126,30 @@ def run_model(args: argparse.Namespace) -> int:
     from fsdp_guide.catalog import STRATEGIES
     from fsdp_guide.errors import PlanError
     from fsdp_guide.memory import Plan, build_on_meta, plan, traced_activation_bytes
+    from fsdp_guide.models import MLP
 
-    builder = load_builder(args.model, dict(args.model_arg or []))
-    checkpointing = _checkpointing(args.activation_checkpointing)
     names = args.strategy or list(STRATEGIES)
     plans: list[Plan] = []
+    what = f"importing, building and tracing {args.model}"
+    # Tracing imports some 800 modules on first use: done here, before the time limit, since
+    # a limit that stopped an import half-way would leave this process with a broken module.
+    traced_activation_bytes(build_on_meta(lambda: MLP(depth=1, hidden=2)), 1, 1)
     try:
-        model = build_on_meta(builder)
-        config = getattr(model, "config", None)
-        seq_len = args.seq_len or getattr(config, "seq_len", 1)
-        # One trace serves every strategy: the activations per rank do not depend on it.
-        activations = traced_activation_bytes(
-            model,
-            args.batch_size,
-            seq_len,
-            precision=args.precision,
-            activation_checkpointing=checkpointing,
-        )
+        # The user's code (import, builder, forward) runs under the time limit.
+        with time_limit(args.build_timeout, what):
+            builder = load_builder(args.model, dict(args.model_arg or []))
+            checkpointing = _checkpointing(args.activation_checkpointing)
+            model = build_on_meta(builder)
+            config = getattr(model, "config", None)
+            seq_len = args.seq_len or getattr(config, "seq_len", 1)
+            # One trace serves every strategy: the activations per rank do not depend on it.
+            activations = traced_activation_bytes(
+                model,
+                args.batch_size,
+                seq_len,
+                precision=args.precision,
+                activation_checkpointing=checkpointing,
+            )
         for name in names:
             plans.append(
                 plan(

@@ -2,25 +2,32 @@
 
 :func:`launch` starts the ranks (fork in a notebook, spawn in a script), relays their output
 line by line with a ``[rankN]`` prefix, and returns each rank's result; when any rank fails,
-it stops them all and raises. :func:`dist_init` joins a process group from the environment
-``torchrun`` sets. :func:`rank_device` is the device a rank computes on: its GPU under
-NCCL, the CPU under gloo; :func:`plan_ranks` picks the ranks a lesson starts (every GPU
-when there are two or more, else CPU ranks under gloo). ``%load_ext fsdp_guide`` registers
-:class:`~fsdp_guide.launcher.magic.DistributedMagics`, the ``%%distributed`` cell magic.
+it stops them all, and everything they started, and raises. Ranks stuck in different
+collectives are stopped within seconds
+(:class:`~fsdp_guide.errors.CollectiveMismatchError`), and so is a nested ``launch`` that
+only some ranks call (:class:`~fsdp_guide.errors.CollectiveCallError`). :func:`dist_init`
+joins a process group from the environment ``torchrun`` sets. :func:`rank_device` is the
+device a rank computes on: its GPU under NCCL, the CPU under gloo; :func:`plan_ranks` picks
+the ranks a lesson starts (every GPU when there are two or more, else CPU ranks under gloo).
+``%load_ext fsdp_guide`` registers :class:`~fsdp_guide.launcher.magic.DistributedMagics`, the
+``%%distributed`` cell magic.
 """
 
 from __future__ import annotations
 
-# Layers, from the caller down: _launch (launch itself), _checks (its arguments, checked before
-# any process starts), _rendezvous (address, ports, the torchrun environment), _supervisor (one
-# loop in the caller's thread: start, relay, collect, stop) with _reports (what each rank
-# reported, which failure to blame), _worker (what runs inside a rank), _process_group (joining
-# torch.distributed: launched ranks, torchrun, dist_init), _output (whole-line relay), magic
-# (the cell magic), _plan (ranks and backend for a lesson), _orphan (a rank dies with its
-# launcher), _stacks (a rank's stack dump, user's frames first), _entry (a collective helper
-# called on some ranks only fails within seconds).
+# Layers, from the caller down: _launch (launch itself), _checks (its arguments, checked before any
+# process starts) and _main_guard (spawn from an unguarded script), _rendezvous (address, ports, the
+# torchrun environment), _supervisor (one loop in the caller's thread: start, relay, collect, stop)
+# with _reports (what each rank reported, which failure to blame), _stop (stopping ranks, closing
+# their descriptors) and _hangs (ranks stuck in different collectives), _worker (what runs inside a
+# rank), _guard (the process above each rank that kills whatever the rank started), _process_group
+# (joining torch.distributed: launched ranks, torchrun, dist_init) with _fresh (store keys no
+# earlier torchrun start used), _output (whole-line relay), magic (the cell magic), _plan (ranks and
+# backend for a lesson), _orphan (a rank dies with its launcher), _stacks (a rank's stack dump,
+# user's frames first), _entry (a collective helper called on some ranks only fails within seconds).
 # The errors are documented in fsdp_guide.errors; still importable from here, as before.
 from fsdp_guide.errors import CollectiveCallError as CollectiveCallError
+from fsdp_guide.errors import CollectiveMismatchError as CollectiveMismatchError
 from fsdp_guide.errors import LaunchError as LaunchError
 from fsdp_guide.errors import LaunchTimeout as LaunchTimeout
 from fsdp_guide.errors import RankError as RankError

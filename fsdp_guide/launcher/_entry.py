@@ -49,17 +49,19 @@ def entry_timeout() -> float:
     return seconds
 
 
-def every_rank_enters(call: str) -> None:
+def every_rank_enters(call: str, why: str = "it already writes each file once") -> None:
     """Wait briefly until every rank of the default process group has entered ``call``.
 
     Without a process group, or on one rank, there is nothing to wait for.
 
     Args:
         call: The helper's public name, e.g. ``"fsdp_guide.checkpoint.save"``.
+        why: Why calling it on every rank is right, for the error message.
 
     Raises:
         CollectiveCallError: Some rank did not enter ``call`` within :func:`entry_timeout`
-            seconds; the message names the ranks and the usual mistake.
+            seconds (or had already finished); the message names the ranks and the usual
+            mistake.
 
     Examples:
         >>> every_rank_enters("fsdp_guide.checkpoint.save")  # no process group: no-op
@@ -76,18 +78,26 @@ def every_rank_enters(call: str) -> None:
     _entered[call] = count + 1
     prefix = f"fsdp_guide/entry/{call}/{count}"
     store = _get_default_store()
-    store.set(f"{prefix}/{rank}", "1")
     keys = [f"{prefix}/{r}" for r in range(world)]
-    # Polled rather than store.wait(): its timeout prints two C++ warnings per rank.
-    deadline = time.monotonic() + timeout
-    while not store.check(keys):
-        if time.monotonic() >= deadline:
-            missing = [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
-            raise CollectiveCallError(
-                f"{call} is collective: every rank must call it, but ranks {missing} did not "
-                f"within {timeout:g} s of rank {rank}. The usual mistake is `if rank == 0:` "
-                f"around the call: call {call.rsplit('.', 1)[-1]}() on every rank (it "
-                "already writes each file once). If the other ranks are only slow to get "
-                f"there, set {ENTRY_TIMEOUT_ENV} to more seconds."
-            )
-        time.sleep(_POLL_S)
+
+    def refuse(missing: str) -> CollectiveCallError:
+        return CollectiveCallError(
+            f"{call} is collective: every rank must call it, but {missing}. The usual "
+            f"mistake is `if rank == 0:` around the call: call {call.rsplit('.', 1)[-1]}() "
+            f"on every rank ({why}). If the other ranks are only slow to get there, set "
+            f"{ENTRY_TIMEOUT_ENV} to more seconds."
+        )
+
+    try:
+        store.set(f"{prefix}/{rank}", "1")
+        # Polled rather than store.wait(): its timeout prints two C++ warnings per rank.
+        deadline = time.monotonic() + timeout
+        while not store.check(keys):
+            if time.monotonic() >= deadline:
+                missing = [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
+                raise refuse(f"ranks {missing} did not within {timeout:g} s of rank {rank}")
+            time.sleep(_POLL_S)
+    except RuntimeError as exc:  # the store is gone: the rank serving it has finished
+        if isinstance(exc, CollectiveCallError):
+            raise
+        raise refuse(f"the rank serving the rendezvous had finished when rank {rank} did") from None

@@ -27,6 +27,7 @@ from fsdp_guide.launcher._checks import (
     resolve_backend,
     resolve_start_method,
 )
+from fsdp_guide.launcher._main_guard import check_main_guard
 from fsdp_guide.launcher._process_group import run_under_torchrun
 from fsdp_guide.launcher._rendezvous import MASTER_ADDR, master_port, under_torchrun
 
@@ -54,21 +55,40 @@ def launch(
     process group up (destroying it could block on peers inside a collective); the rank
     exits, ``torchrun`` stops its peers and exits non-zero. A rank started by
     :func:`launch` has the same environment, so ``launch`` called inside ``fn`` behaves the
-    same way: every rank must call it, and it runs in-process on the existing group.
+    same way: it runs in-process on the existing group, and every rank must call it.
 
-    When every rank has returned, processes they started and left running are stopped, and
-    so is a rank still alive a few seconds after sending its result (a non-daemon thread,
-    say); a line on stderr says so. A line of output longer than ``2**20`` characters is
-    printed in pieces.
+    Nothing a rank starts outlives it. On Linux each rank runs below a small guard process,
+    to which every process the rank starts is handed when its own parent exits
+    (``PR_SET_CHILD_SUBREAPER``), even one that leaves the rank's process group and
+    session (a server that daemonizes). When a rank ends, however it ends (it returned,
+    raised or was killed), what it left running gets ``SIGTERM`` and, half a second later,
+    ``SIGKILL``. When ``launch`` stops the ranks (another rank failed, the timeout, an
+    interrupt), each rank and everything below it get ``SIGTERM`` and a second's grace,
+    then ``SIGKILL``. A rank still alive a few seconds after sending its result (a
+    non-daemon thread, say) is stopped the same way, and a line on stderr says so. Every
+    rank, its guard and everything below them die with the process that launched them,
+    however that process ends (a script killed with ``SIGKILL``, a kernel interrupted,
+    restarted or killed), within about a second. Off Linux, a rank leads its own process
+    group, and only what stays in that group is stopped. A forked rank lets go at once of
+    the sockets it inherited, so that a restarted kernel can bind its ports again: open any
+    connection a rank needs (a database, a tracking service) inside ``fn``.
+
+    Two mistakes that would hang until ``timeout`` fail within seconds instead. ``launch``
+    called inside a launched function on some ranks only (under ``if rank == 0:``) raises
+    :class:`~fsdp_guide.errors.CollectiveCallError` on those ranks after 5 s (the
+    ``FSDP_GUIDE_ENTRY_TIMEOUT`` the checkpoint helpers use). With gloo on Linux, ranks
+    that all wait in collectives that are not the same one (called in a different order,
+    or one rank waits in a collective the others skipped) while no rank uses the CPU are
+    stopped after about 4 s with :class:`~fsdp_guide.errors.CollectiveMismatchError`, which
+    names each rank's collective and the line that called it; their stacks are printed. A
+    rank that is only slow (computing, sleeping, reading, waiting on anything that is not a
+    collective) is never reported this way: only ``timeout`` ends it.
+
+    A line of output longer than ``2**20`` characters is printed in pieces.
 
     Launch from one thread at a time: forking while other threads of a long-lived process
     are launching too has crashed children inside ``os.fork`` itself (seen in a test
     suite, not in this package's code).
-
-    Each rank dies with the process that launched it, however that process ends (a kernel
-    restarted after a crash, say), and a forked rank lets go at once of the sockets it
-    inherited, so that a restarted kernel can bind its ports again: open any connection a
-    rank needs (a database, a tracking service) inside ``fn``.
 
     Forked ranks run torch's CPU operators on one thread: GNU OpenMP, which CPU builds of
     torch use, deadlocks in a forked child that asks for more threads once the parent has
@@ -84,7 +104,8 @@ def launch(
         backend: ``"auto"`` (NCCL with a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``.
         timeout: Seconds before all ranks are stopped and :class:`LaunchTimeout` is raised.
         start_method: ``"auto"`` (fork in a notebook or interactive prompt, else spawn),
-            ``"fork"`` or ``"spawn"``.
+            ``"fork"`` or ``"spawn"``. A spawned rank imports the launching script again,
+            so in a script the call must sit under ``if __name__ == "__main__":``.
 
     Returns:
         The return value of each rank, ordered by rank. Values travel by pickle, so return
@@ -97,8 +118,14 @@ def launch(
         TypeError: With spawn, a function or argument that cannot be sent to a new process.
         RuntimeError: Fork requested while CUDA is initialised in this process, or a
             process group already initialised here outside ``torchrun``.
+        LaunchError: Spawn requested from the top level of a script, outside
+            ``if __name__ == "__main__":``. Raised before any process starts.
         RankError: A rank raised, exited non-zero, was killed, or returned a value that
-            cannot be unpickled here; the others were stopped.
+            cannot be unpickled here; the others were stopped. A nested ``launch`` called
+            on some ranks only makes those ranks raise
+            :class:`~fsdp_guide.errors.CollectiveCallError`.
+        CollectiveMismatchError: The ranks waited in different collectives, so none could
+            finish; their stacks were printed, all stopped.
         LaunchTimeout: Not every rank finished in time; their stacks were printed, all stopped.
 
     Examples:
@@ -118,6 +145,7 @@ def launch(
     if method == "fork":
         check_fork_is_safe()
     else:
+        check_main_guard()
         check_picklable(fn, args, kwargs)
 
     import torch.distributed as dist
@@ -134,7 +162,7 @@ def launch(
         ctx, fn, world_size, args, kwargs, chosen_backend, MASTER_ADDR, port, timeout
     )
     try:
-        return _supervisor.supervise(ranks, timeout)
+        return _supervisor.supervise(ranks, timeout, watch_collectives=chosen_backend == "gloo")
     except LaunchError as err:
         # The supervisor's and selectors' frames say nothing about the failure; the rank's
         # own traceback is in the message.

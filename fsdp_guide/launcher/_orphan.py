@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import stat
@@ -31,17 +32,30 @@ _PR_SET_PDEATHSIG = 1
 _WATCHDOG_PERIOD_S = 0.2
 
 
-def _set_pdeathsig(sig: int) -> bool:
-    """Ask Linux to send ``sig`` to this process when its parent thread dies."""
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         # The interpreter's own symbols include libc's: no ctypes.util.find_library, which
         # runs ldconfig in a subprocess (slow, and a fork from a freshly forked rank).
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0)
-    except (OSError, AttributeError):
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def prctl(option: int, value: int) -> bool:
+    """Call Linux's ``prctl(option, value)``; ``False`` off Linux or when refused."""
+    libc = _libc()
+    try:
+        return libc is not None and bool(libc.prctl(option, value, 0, 0, 0) == 0)
+    except AttributeError:
         return False
+
+
+def _set_pdeathsig(sig: int) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent thread dies."""
+    return prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def _kill_own_group() -> None:

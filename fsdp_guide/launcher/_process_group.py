@@ -6,7 +6,6 @@ Torch is imported inside the functions: a spawned rank imports this module (thro
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -14,14 +13,16 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from fsdp_guide.launcher._checks import check_world_size, resolve_backend
+from fsdp_guide.launcher._entry import every_rank_enters
+from fsdp_guide.launcher._fresh import fresh_prefix
 from fsdp_guide.launcher._rendezvous import MASTER_ADDR
 
 if TYPE_CHECKING:
     import torch
 
-# Numbers this process's torchrun groups: every rank runs the same script, so the n-th
-# launch has the same number on every rank.
-_TORCHRUN_GROUPS = itertools.count()
+# Set in a rank that launch started: a launch inside it runs on the rank's group, and
+# every rank must call it (checked at its entry, like the checkpoint helpers).
+_launched_rank = False
 
 
 def init_launched_rank(
@@ -39,6 +40,8 @@ def init_launched_rank(
     import torch
     import torch.distributed as dist
 
+    global _launched_rank
+    _launched_rank = True
     if backend == "nccl":
         torch.cuda.set_device(rank)
     timeout = timedelta(seconds=pg_timeout_s)
@@ -75,20 +78,25 @@ def run_under_torchrun(
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     created = not dist.is_initialized()
+    if not created and _launched_rank:
+        every_rank_enters(
+            "fsdp_guide.launch",
+            why="inside a launched function, launch runs its function once on each rank, "
+            "on the group the ranks already share",
+        )
     if created:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         chosen = resolve_backend(backend, local_world)
         if chosen == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        # torchrun's store outlives our groups, and destroy_process_group restarts torch's
-        # group numbering, so a second default group would read the first one's stale
-        # gloo addresses and hang (pytorch/pytorch#55967): give each group its own keys.
+        # torchrun's store outlives our groups (a second launch, and every restart of the
+        # job, would read the previous group's stale gloo addresses and hang or fail,
+        # pytorch/pytorch#55967 and #135712): each group gets keys no earlier one used.
         from torch.distributed.rendezvous import rendezvous
 
         store, _, _ = next(rendezvous("env://", timeout=timedelta(seconds=timeout)))
-        store = dist.PrefixStore(  # type: ignore[attr-defined]
-            f"fsdp_guide/{next(_TORCHRUN_GROUPS)}", store
-        )
+        prefix = fresh_prefix(store, rank, world_size, timeout)
+        store = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         dist.init_process_group(
             chosen,
             store=store,

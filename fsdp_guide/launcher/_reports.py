@@ -2,7 +2,9 @@
 
 The supervisor keeps one :class:`Rank` per process. A rank reports through its result pipe
 (a value, a ``sys.exit`` or a traceback) or not at all (killed, ``os._exit``): then its
-exit status tells what happened. When several ranks fail, the one that caused it is
+exit status tells what happened. Below a guard (``_guard.py``), the guard sends that status
+on the same pipe once nothing the rank started is left, so the launch can end without
+waiting for the guard's own exit. When several ranks fail, the one that caused it is
 blamed, not the peers that merely lost their connection to it.
 """
 
@@ -19,8 +21,18 @@ from typing import Any
 from fsdp_guide.errors import RankError
 from fsdp_guide.launcher._output import _Stream
 
-# How long to wait for the rank behind a peer's "connection reset" before stopping everyone.
+# Messages that are not pickles (which start with b"\x80"): the rank's pid, sent once its
+# stack dumps are set up, and its exit code, sent by its guard after the rank's process tree.
+READY = b"ready "
+EXITED = b"exited "
+# The signal that makes a rank write its stacks to the launcher alone (``_hangs.py``): a
+# real-time one, which libraries and training scripts leave alone, unlike SIGUSR1/SIGUSR2.
+PROBE_SIGNAL = signal.SIGRTMAX - 3
+# How long to wait for the rank behind a peer's "connection reset" before stopping everyone,
+# and, once a rank is known to have died (its result pipe closed without a report), for its
+# guard to pass on how it died (longer: only a loaded machine makes this wait).
 _CAUSE_WAIT_S = 0.5
+_DYING_WAIT_S = 5.0
 
 
 @dataclass
@@ -30,14 +42,32 @@ class Rank:
     rank: int
     process: BaseProcess
     result: Connection
+    probe: Connection  # the rank's stack dumps for the launcher alone (``_hangs.py``)
     streams: list[_Stream] = field(default_factory=list)
+    pid: int | None = None  # the rank's own pid, once it is ready (below its guard)
+    exited: int | None = None  # its exit code, as its guard passed it on
+    closed: bool = False  # its result pipe reached end of file
     done: bool = False
     value: Any = None
     failure: RankError | None = None
     failed_at: float = 0.0
 
 
-def exit_failure(rank: int, exitcode: int | None) -> RankError:
+def exit_failure(rank: int, exitcode: int | None, spawned_unready: bool = False) -> RankError:
+    """How a rank that sent no report ended, from its exit status.
+
+    ``spawned_unready``: a spawned rank that never got as far as running: it failed while
+    re-importing the main module, which prints its own error.
+    """
+    if spawned_unready and exitcode is not None and exitcode > 0:
+        return RankError(
+            f"rank {rank} exited with status {exitcode} before it started: a spawned rank "
+            "first imports the script that called launch, and that import failed (its error "
+            "is printed above). If the script calls launch at its top level, put that call "
+            'under `if __name__ == "__main__":` so that the import does not run it again.',
+            rank=rank,
+            exitcode=exitcode,
+        )
     if exitcode is not None and exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
@@ -51,11 +81,24 @@ def exit_failure(rank: int, exitcode: int | None) -> RankError:
     )
 
 
-def read_result(r: Rank) -> None:
+def exit_code(r: Rank) -> int | None:
+    """The rank's exit code (negative: killed by that signal), once known."""
+    return r.exited if r.exited is not None else r.process.exitcode
+
+
+def read_result(r: Rank) -> bool:
+    """Read one message of the rank; ``True`` once no other will come."""
     try:
         data = r.result.recv_bytes()
     except (EOFError, OSError):
-        return  # died before reporting; the exit status tells why
+        r.closed = True
+        return True  # a rank that died before reporting: its exit code tells why
+    if data.startswith(READY):
+        r.pid = int(data[len(READY) :])
+        return False
+    if data.startswith(EXITED):
+        r.exited = int(data[len(EXITED) :])
+        return True
     r.done = True
     try:
         message = pickle.loads(data)
@@ -68,7 +111,7 @@ def read_result(r: Rank) -> None:
             rank=r.rank,
         )
         r.failed_at = time.time()
-        return
+        return False
     if message[0] == "ok":
         r.value = message[1]
     elif message[0] == "exit":
@@ -91,15 +134,23 @@ def read_result(r: Rank) -> None:
             remote_traceback=text,
         )
         r.failed_at = failed_at
+    return False  # the guard's report, or end of file, follows
+
+
+def read_pending(r: Rank) -> None:
+    """Read what the rank (and its guard) already sent, without waiting."""
+    while not r.closed and r.exited is None and r.result.poll() and not read_result(r):
+        pass
 
 
 def on_exit(r: Rank) -> None:
     """Record how an exited rank ended: its report if it sent one, else its exit status."""
-    if not r.done and r.result.poll():
-        read_result(r)
-    if r.failure is None and (not r.done or r.process.exitcode != 0):
+    read_pending(r)
+    code = exit_code(r)
+    if code is not None and r.failure is None and (not r.done or code != 0):
         r.done = True
-        r.failure = exit_failure(r.rank, r.process.exitcode)
+        spawned_unready = r.pid is None and type(r.process).__name__ == "SpawnProcess"
+        r.failure = exit_failure(r.rank, code, spawned_unready)
         r.failed_at = time.time()
 
 
@@ -110,13 +161,17 @@ def wait_for_the_cause(ranks: list[Rank]) -> None:
     a peer's "connection reset" report can arrive before the death is noticed. When every
     failure so far is such a report, wait briefly for the rank that caused it.
     """
-    deadline = time.monotonic() + _CAUSE_WAIT_S
+    start = time.monotonic()
     while True:
         for r in ranks:
-            if r.failure is None and r.process.exitcode is not None:
+            if r.failure is None:
                 on_exit(r)
         failures = [r.failure for r in ranks if r.failure is not None]
-        if not all(lost_a_peer(f) for f in failures) or time.monotonic() >= deadline:
+        if not all(lost_a_peer(f) for f in failures):
+            return
+        # A rank whose result pipe closed without a report died; how, its exit code says.
+        dying = any(r.closed and not r.done for r in ranks)
+        if time.monotonic() - start >= (_DYING_WAIT_S if dying else _CAUSE_WAIT_S):
             return
         time.sleep(0.02)
 

@@ -18,70 +18,32 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from multiprocessing.context import BaseContext
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 from fsdp_guide.errors import LaunchTimeout
 from fsdp_guide.launcher import _worker
+from fsdp_guide.launcher._hangs import HangWatch
 from fsdp_guide.launcher._output import _emit, _Stream
 from fsdp_guide.launcher._rendezvous import FD_LOCK
 from fsdp_guide.launcher._reports import (
     Rank,
+    exit_code,
     on_exit,
+    read_pending,
     read_result,
     root_cause,
     wait_for_the_cause,
 )
 from fsdp_guide.launcher._stacks import StackFilter
+from fsdp_guide.launcher._stop import TERMINATE_GRACE_S, close_all, stop_all
 
 __all__: list[str] = []
 
-_TERMINATE_GRACE_S = 2.0
 # How the timeout's message names the option that raises it; the magic names its own.
 TIMEOUT_OPTION = "`timeout=`"
 # How long ranks may linger after every one has sent its result (a non-daemon thread or a
 # child process keeps a rank alive) before they are stopped and the results returned.
 _EXIT_GRACE_S = 3.0
-
-
-def _kill_group(process: BaseProcess, sig: int) -> None:
-    pid = process.pid
-    if pid is None or process.exitcode is not None:
-        return
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        # The rank has not become a group leader yet (or already left): signal it alone.
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def stop_all(ranks: list[Rank]) -> None:
-    """Terminate every rank and its children; escalate to SIGKILL after a short grace."""
-    for r in ranks:
-        _kill_group(r.process, signal.SIGTERM)
-    try:
-        deadline = time.monotonic() + _TERMINATE_GRACE_S
-        for r in ranks:
-            r.process.join(max(0.0, deadline - time.monotonic()))
-    except KeyboardInterrupt:
-        # A second interrupt (the stop button pressed twice) must not leave ranks running.
-        _kill_all(ranks)
-        raise
-    _kill_all(ranks)
-
-
-def _kill_all(ranks: list[Rank]) -> None:
-    """SIGKILL every rank's process group, then wait for the ranks themselves."""
-    for r in ranks:
-        if r.process.exitcode is None:
-            _kill_group(r.process, signal.SIGKILL)
-        else:
-            # The leader is gone; make sure nothing it started survives.
-            with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
-                os.killpg(r.process.pid or 0, signal.SIGKILL)
-    for r in ranks:
-        r.process.join(5.0)
 
 
 def _listen(address: str) -> socket.socket:
@@ -95,10 +57,11 @@ def _listen(address: str) -> socket.socket:
 
 def _dump_stacks(ranks: list[Rank], grace_s: float = 1.0) -> None:
     """Ask ranks still running to print their Python stacks (faulthandler on SIGUSR1)."""
-    running = [r for r in ranks if r.process.exitcode is None and r.process.pid is not None]
+    # Only ranks that are ready have a SIGUSR1 handler; the signal would kill the others.
+    running = [r for r in ranks if exit_code(r) is None and r.pid is not None]
     for r in running:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(r.process.pid, signal.SIGUSR1)  # type: ignore[arg-type]
+            os.kill(r.pid, signal.SIGUSR1)  # type: ignore[arg-type]
     if running:
         time.sleep(grace_s)  # let the dumps reach the pipes; _drain prints them
 
@@ -140,6 +103,7 @@ def start_ranks(
                 out_r, out_w = ctx.Pipe(duplex=False)
                 err_r, err_w = ctx.Pipe(duplex=False)
                 res_r, res_w = ctx.Pipe(duplex=False)
+                probe_r, probe_w = ctx.Pipe(duplex=False)
                 process = ctx.Process(  # type: ignore[attr-defined]
                     target=_worker.run_rank,
                     args=(
@@ -152,9 +116,7 @@ def start_ranks(
                         master_addr,
                         master_port,
                         pg_timeout_s,
-                        out_w,
-                        err_w,
-                        res_w,
+                        (out_w, err_w, res_w, probe_w),
                         forked,
                         listener,
                         os.getpid(),
@@ -165,11 +127,11 @@ def start_ranks(
                 process.start()
                 # Close our copies of the write ends so EOF arrives when the rank exits, and so
                 # ranks forked later do not inherit (and hold open) this rank's pipes.
-                for w in (out_w, err_w, res_w):
+                for w in (out_w, err_w, res_w, probe_w):
                     w.close()
                 if listener is not None:
                     listener.close()  # rank 0 has its own copy now
-            r = Rank(rank=rank, process=process, result=res_r)
+            r = Rank(rank=rank, process=process, result=res_r, probe=probe_r)
             r.streams = [
                 _Stream(rank, out_r, sys.stdout),
                 _Stream(rank, err_r, sys.stderr, stacks=StackFilter()),
@@ -177,12 +139,18 @@ def start_ranks(
             ranks.append(r)
     except BaseException:
         stop_all(ranks)
+        close_all(ranks)
         raise
     return ranks
 
 
-def supervise(ranks: list[Rank], timeout: float) -> list[Any]:
-    """Relay output until every rank has reported; raise on the first failure or at timeout."""
+def supervise(ranks: list[Rank], timeout: float, watch_collectives: bool = False) -> list[Any]:
+    """Relay output until every rank has reported; raise on the first failure or at timeout.
+
+    With ``watch_collectives`` (gloo ranks), ranks that wait in different collectives
+    while none makes progress are stopped within seconds (``_hangs.py``).
+    """
+    watch = HangWatch(watch_collectives)
     selector = selectors.DefaultSelector()
     for r in ranks:
         for s in r.streams:
@@ -192,7 +160,7 @@ def supervise(ranks: list[Rank], timeout: float) -> list[Any]:
     deadline = time.monotonic() + timeout
     all_reported_at: float | None = None
     try:
-        while not all(r.done and r.process.exitcode is not None for r in ranks):
+        while not all(r.done and exit_code(r) is not None for r in ranks):
             if all(r.done and r.failure is None for r in ranks):
                 all_reported_at = all_reported_at or time.monotonic()
                 if time.monotonic() - all_reported_at > _EXIT_GRACE_S:
@@ -200,7 +168,7 @@ def supervise(ranks: list[Rank], timeout: float) -> list[Any]:
                     break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                running = [r.rank for r in ranks if r.process.exitcode is None or not r.done]
+                running = [r.rank for r in ranks if exit_code(r) is None or not r.done]
                 _dump_stacks(ranks)
                 raise LaunchTimeout(
                     f"ranks {running} still running after {timeout:g} s; all ranks were "
@@ -220,8 +188,10 @@ def supervise(ranks: list[Rank], timeout: float) -> list[Any]:
                         _emit(s, b"", final=True)
                         selector.unregister(key.fd)
                 elif kind == "result":
-                    selector.unregister(key.fd)
-                    read_result(r)
+                    if read_result(r):
+                        selector.unregister(key.fd)
+                    if exit_code(r) is not None:
+                        on_exit(r)  # its guard's report
                 else:
                     selector.unregister(key.fd)
                     r.process.join()
@@ -231,25 +201,35 @@ def supervise(ranks: list[Rank], timeout: float) -> list[Any]:
                 stop_all(ranks)
                 _drain(ranks)
                 raise root_cause(ranks)
+            mismatch = watch.check(ranks)
+            if mismatch is not None:
+                _print_stacks(ranks, watch.dumps)
+                raise mismatch
         # Every rank has reported: stop what is still running in their process groups
         # (processes a rank started and left behind), then print what is left in the pipes.
         stop_all(ranks)
-        _read_streams_to_eof(selector, time.monotonic() + _TERMINATE_GRACE_S)
+        _read_streams_to_eof(selector, time.monotonic() + TERMINATE_GRACE_S)
     except BaseException:
         stop_all(ranks)
         _drain(ranks)
-        raise
-    finally:
         selector.close()
-        for r in ranks:
-            r.result.close()
-            for s in r.streams:
-                s.conn.close()
+        close_all(ranks, wait_s=TERMINATE_GRACE_S)  # guards still exiting
+        raise
+    selector.close()
+    close_all(ranks)  # a guard still exiting is not waited for: it has nothing left to do
     return [r.value for r in ranks]
 
 
+def _print_stacks(ranks: list[Rank], dumps: dict[int, str]) -> None:
+    """Print the stacks the hang watch read, rewritten like those printed at timeout."""
+    for r in ranks:
+        if dumps.get(r.rank):
+            stream = _Stream(r.rank, r.probe, sys.stderr, stacks=StackFilter())
+            _emit(stream, dumps[r.rank].encode(), final=True)
+
+
 def _report_lingering(ranks: list[Rank]) -> None:
-    lingering = [r.rank for r in ranks if r.process.exitcode is None]
+    lingering = [r.rank for r in ranks if exit_code(r) is None]
     print(
         f"fsdp_guide.launch: ranks {lingering} sent their results but were still running "
         f"{_EXIT_GRACE_S:g} s later (a non-daemon thread or a child process not joined?); "
@@ -282,11 +262,8 @@ def _drain(ranks: list[Rank]) -> None:
     """Print what stopped ranks wrote before dying, and pick up error reports already sent."""
     for r in ranks:
         if not r.done:
-            try:
-                if r.result.poll():
-                    read_result(r)
-            except (OSError, EOFError, ValueError):
-                pass
+            with contextlib.suppress(OSError, EOFError, ValueError):
+                read_pending(r)
         for s in r.streams:
             try:
                 while s.conn.poll():

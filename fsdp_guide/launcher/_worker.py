@@ -2,11 +2,12 @@
 
 Kept apart from the supervisor so a spawned child imports as little as possible. A rank:
 
-1. becomes leader of its own process group, so the supervisor can stop it together with
-   any processes it started (data-loader workers, say), and arranges to die with the
-   launching process (``_orphan.py``): a killed kernel must not leave ranks behind;
+1. becomes leader of its own process group, forks below a guard process that outlives it
+   long enough to kill whatever it started (``_guard.py``), and arranges to die with the
+   launching process (``_orphan.py``): a killed kernel must not leave anything behind;
 2. sends its stdout and stderr, at the file-descriptor level, into pipes that the
-   supervisor reads line by line (C++ warnings from gloo included);
+   supervisor reads line by line (C++ warnings from gloo included), and sends
+   ``("ready", pid)`` once its stack dumps are set up;
 3. initialises ``torch.distributed``, runs the user's function, destroys the group;
 4. sends back a pickled ``("ok", value)``, ``("exit", status, argument, time)`` (it called
    ``sys.exit``) or ``("error", text, time)`` message.
@@ -29,8 +30,10 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
+from fsdp_guide.launcher._guard import split_off_guard
 from fsdp_guide.launcher._orphan import die_with_parent, release_inherited_sockets
 from fsdp_guide.launcher._process_group import init_launched_rank
+from fsdp_guide.launcher._reports import PROBE_SIGNAL, READY
 
 __all__: list[str] = []
 
@@ -49,6 +52,13 @@ def _redirect_stream(fd: int, conn: Connection) -> io.TextIOWrapper:
         line_buffering=True,
         write_through=True,
     )
+
+
+def _keep_fd(conn: Connection) -> int:
+    """The descriptor of ``conn``, which stays open for good (faulthandler writes to it)."""
+    fd = os.dup(conn.fileno())
+    conn.close()
+    return fd
 
 
 def _user_traceback(exc: BaseException) -> str:
@@ -121,34 +131,42 @@ def run_rank(
     master_addr: str,
     master_port: int,
     pg_timeout_s: float,
-    stdout_w: Connection,
-    stderr_w: Connection,
-    result_w: Connection,
+    pipes: tuple[Connection, Connection, Connection, Connection],
     forked: bool,
-    listener: socket.socket | None = None,
-    parent_pid: int | None = None,
+    listener: socket.socket | None,
+    launcher_pid: int,
 ) -> None:
-    """Entry point of one rank; never raises, reports through ``result_w`` instead.
+    """Entry point of one rank; never raises, reports through the result pipe instead.
 
     ``fn`` is the function itself in a forked rank; in a spawned rank it is the pickled
     ``(fn, args, kwargs)``, unpickled after the output is redirected so that an import
-    failure reaches the caller as this rank's error instead of dying unseen.
-    ``parent_pid`` is the launcher's: the rank dies with it.
+    failure reaches the caller as this rank's error instead of dying unseen. ``pipes`` are
+    the write ends of stdout, stderr, the result and the stack probe. The rank dies with
+    ``launcher_pid``, and so does everything it starts (``_guard.py``).
     """
+    stdout_w, stderr_w, result_w, probe_w = pipes
     with contextlib.suppress(OSError):  # already a group leader
         os.setpgid(0, 0)
-    if parent_pid is not None:
-        die_with_parent(parent_pid)
-    sys.stdout = _redirect_stream(1, stdout_w)
-    sys.stderr = _redirect_stream(2, stderr_w)
     if forked:
         # A forked rank holds copies of the launcher's sockets (a kernel's five ports): let
         # them go, so they are free the moment the launcher dies. Spawned ranks inherit none.
         release_inherited_sockets({listener.fileno()} if listener is not None else set())
+    ours = [stdout_w.fileno(), stderr_w.fileno(), probe_w.fileno()]
+    guard_pid = split_off_guard(
+        launcher_pid, [*ours, *([listener.fileno()] if listener is not None else [])], result_w
+    )
+    if guard_pid is None:
+        die_with_parent(launcher_pid)  # below a guard, the fork did it first thing
+    sys.stdout = _redirect_stream(1, stdout_w)
+    sys.stderr = _redirect_stream(2, stderr_w)
     # On timeout the launcher sends SIGUSR1 first: every thread's stack then shows where
     # this rank is stuck (usually a collective that another rank never entered).
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a crash shows its stack
+    # PROBE_SIGNAL writes the stacks to the launcher alone, which reads them to tell ranks
+    # stuck in different collectives (``_hangs.py``) without printing anything.
+    faulthandler.register(PROBE_SIGNAL, file=_keep_fd(probe_w), all_threads=True)
+    result_w.send_bytes(READY + str(os.getpid()).encode())
 
     os.environ.update(
         {

@@ -4,8 +4,9 @@
 that a rank holds; :func:`estimate_model_state` gives what the ZeRO formulas predict for
 a stage (`Rajbhandari et al., 2020 <https://arxiv.org/abs/1910.02054>`__),
 :func:`predict_model_state` for a strategy (the formula its engine follows);
-:func:`peak_memory` reads the device's (or process's) peak. Communication is
-:mod:`fsdp_guide.comm`'s.
+:func:`peak_memory` reads the device's (or process's) peak, and :func:`track_allocations`
+the most bytes one block of code holds at once (building, loading or saving a model).
+Communication is :mod:`fsdp_guide.comm`'s.
 
 **Planning.** :func:`plan` adds what a rank holds at its peak, without allocating the model:
 the model state of every rank (to the byte, as each engine lays it out), the activations
@@ -47,6 +48,7 @@ buffers are not counted.
 
 from __future__ import annotations
 
+from fsdp_guide.memory._allocations import Allocations, track_allocations
 from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
 from fsdp_guide.memory._plan import Plan, plan, recommend
 from fsdp_guide.memory._predict import (
@@ -67,6 +69,7 @@ from fsdp_guide.memory._zero import (
 )
 
 __all__ = [
+    "Allocations",
     "BytesPerParam",
     "ModelState",
     "OptimizerName",
@@ -86,4 +89,5 @@ __all__ = [
     "recommend",
     "state_per_rank",
     "traced_activation_bytes",
+    "track_allocations",
 ]

@@ -106,7 +106,7 @@ def measure_model_state(
             f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
         )
     counter = _StorageCounter()
-    params = list(module.parameters())
+    params = [*module.parameters(), *_fsdp1_flat_params(module)]
     param_buffers = [getattr(p, name, None) for p in params for name in PARAM_BUFFERS]
     grad_buffers = [getattr(p, name, None) for p in params for name in GRAD_BUFFERS]
     param_bytes = counter.add([*params, *param_buffers])
@@ -118,6 +118,21 @@ def measure_model_state(
         optimizer=optimizer_bytes,
         buckets=_ddp_bucket_bytes(module),
     )
+
+
+def _fsdp1_flat_params(module: nn.Module) -> list[Any]:
+    """PyTorch FSDP1's flat parameters, registered on the module or not.
+
+    With ``use_orig_params=True`` (Lightning's default) the module's parameters are views
+    of each unit's flat parameter: of its shard, or of the gathered copy while the unit is
+    unsharded. The shard is then reachable only through the flat parameter itself.
+    """
+    flats = []
+    for sub in module.modules():
+        flat = getattr(getattr(sub, "_handle", None), "flat_param", None)
+        if isinstance(flat, torch.Tensor):
+            flats.append(flat)
+    return flats
 
 
 def _measure_listed(tensors: dict[str, list[Any]]) -> ModelState:

@@ -17,10 +17,13 @@ strategy names in Lightning's registry (see :mod:`fsdp_guide.strategies.registry
 Lightning's documentation: `strategies <https://lightning.ai/docs/pytorch/stable/extensions/strategy.html>`__;
 its own PyTorch FSDP strategy, `FSDPStrategy
 <https://lightning.ai/docs/pytorch/stable/api/lightning.pytorch.strategies.FSDPStrategy.html>`__.
+:class:`CPUFSDPStrategy` (no registered name) is that ``FSDPStrategy`` (PyTorch FSDP1) made
+to run on CPU ranks, a teaching aid for machines without a GPU.
 """
 
 from __future__ import annotations
 
+from fsdp_guide.strategies._fsdp_on_cpu import CPUFSDPStrategy
 from fsdp_guide.strategies._precision import ShardedMixedPrecision, ShardedPrecision
 from fsdp_guide.strategies.fully_sharded import DDPFullyShardedStrategy
 from fsdp_guide.strategies.registry import STRATEGY_NAMES, register_fairscale_strategies
@@ -29,6 +32,7 @@ from fsdp_guide.strategies.sharded_spawn import DDPSpawnShardedStrategy
 
 __all__ = [
     "STRATEGY_NAMES",
+    "CPUFSDPStrategy",
     "DDPFullyShardedStrategy",
     "DDPShardedStrategy",
     "DDPSpawnShardedStrategy",

@@ -9,6 +9,7 @@ everything from here:
 * sharding: :func:`shard` with a policy, and manual wrapping with :func:`wrapping` and
   :func:`wrap`, for the FSDP engines (each engine's adapter, a
   :class:`fsdp_guide.engines.UnitEngine`, says how);
+* building a model already sharded, never whole on a rank: :func:`build_sharded`;
 * activation checkpointing: :func:`checkpoint_layers`, and :func:`saved_activation_bytes`
   to measure what it saves;
 * :func:`describe` and :func:`sharded_units`: the units of a model;
@@ -36,11 +37,12 @@ Examples:
 
 from __future__ import annotations
 
-# Where each lives: _policy (policies), _shard (shard), _manual (wrapping, wrap),
-# _activations (checkpoint_layers, saved_activation_bytes), _inspect (describe,
-# sharded_units), _optimizer_check (check_optimizer).
+# Where each lives: _policy (policies), _shard (shard), _manual (wrapping, wrap), _build
+# (build_sharded), _activations (checkpoint_layers, saved_activation_bytes), _inspect
+# (describe, sharded_units), _optimizer_check (check_optimizer).
 # The errors are documented in fsdp_guide.errors; still importable from here, as before.
 from fsdp_guide.errors import EngineUnavailableError as EngineUnavailableError
+from fsdp_guide.errors import MetaInitError as MetaInitError
 from fsdp_guide.errors import OptimizerMismatchError as OptimizerMismatchError
 from fsdp_guide.wrap._activations import (
     CheckpointImplementation,
@@ -48,6 +50,7 @@ from fsdp_guide.wrap._activations import (
     checkpointed_names,
     saved_activation_bytes,
 )
+from fsdp_guide.wrap._build import build_sharded, uninitialisable_modules
 from fsdp_guide.wrap._inspect import (
     ModuleNode,
     describe,
@@ -76,6 +79,7 @@ __all__ = [
     "SizePolicy",
     "WrapPolicy",
     "any_of",
+    "build_sharded",
     "check_layer_classes",
     "check_optimizer",
     "checkpoint_layers",
@@ -87,6 +91,7 @@ __all__ = [
     "selected_modules",
     "shard",
     "sharded_units",
+    "uninitialisable_modules",
     "wrap",
     "wrapping",
 ]

@@ -15,7 +15,6 @@ from torch import nn
 
 from fsdp_guide import RankError, checkpoint, launch
 from fsdp_guide.checkpoint import CheckpointError
-from fsdp_guide.checkpoint import _api as checkpoint_api
 from fsdp_guide.checkpoint import _io as checkpoint_io
 from fsdp_guide.models import MLP, TinyTransformer, TransformerConfig
 
@@ -45,7 +44,7 @@ def trained_module() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def fake_full_file(path: Path, model_state: Any) -> None:
     payload = {
-        "format": checkpoint_api.FULL_FORMAT,
+        "format": checkpoint_io.FULL_FORMAT,
         "version": 1,
         "strategy": "module",
         "world_size": 1,
@@ -248,11 +247,12 @@ def test_sharded_checkpoint_of_format_1_is_refused(tmp_path: Path) -> None:
         "extra": "data-0123456789ab/extra.pt",
         "files": {},
     }
-    (tmp_path / "index.json").write_text(json.dumps(index))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"first sharded format \(rank<N>\.pt files\)"):
-        checkpoint.load(tmp_path, TinyTransformer(CONFIG))
+        checkpoint.load(tmp_path / "ckpt", TinyTransformer(CONFIG))
     with pytest.raises(CheckpointError, match=r"first sharded format"):
-        checkpoint.consolidate(tmp_path, tmp_path / "full.pt")
+        checkpoint.consolidate(tmp_path / "ckpt", tmp_path / "full.pt")
 
 
 def load_sharded_into_wider_model(rank: int, world_size: int, path: str) -> None:

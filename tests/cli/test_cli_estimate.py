@@ -60,11 +60,11 @@ def test_fp32_sgd(capsys: pytest.CaptureFixture[str]) -> None:
         (["--params", "7e9", "--gpu-memory", "1e400GB"], "size '1e400GB' is too large"),
         (
             ["--params", "7e9", "--world-size", "0"],
-            "argument --world-size: must be an integer >= 1",
+            "argument --world-size: must be an integer from 1 to 1048576",
         ),
         (
             ["--params", "7e9", "--world-size", "two"],
-            "argument --world-size: must be an integer >= 1",
+            "argument --world-size: must be an integer from 1 to 1048576",
         ),
         (["--params", "7e9", "--gpu-memory", "big"], "cannot read 'big' as a size"),
         (["--params", "7e9", "--gpu-memory", "0GB"], "argument --gpu-memory: must be positive"),
@@ -93,5 +93,5 @@ def test_module_entry_point_exit_status() -> None:
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
         "fsdp_guide estimate: error: argument --params: must be a positive count such as 7e9, "
-        "7B or 350M, got 'nope' (see: fsdp_guide estimate --help)"
+        "7B or 350M, at most 1e15, got 'nope' (see: fsdp_guide estimate --help)"
     ]

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from fsdp_guide import LaunchTimeout, RankError, launch
-from fsdp_guide.launcher import _output, _reports, _supervisor
+from fsdp_guide.launcher import _output, _reports, _stop, _supervisor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,7 +127,7 @@ def test_sys_exit_reports_its_argument(argument: object, message: str, exitcode:
 
 
 def _failed_rank(rank: int, failure: RankError, failed_at: float) -> Any:
-    r = _reports.Rank(rank=rank, process=None, result=None)  # type: ignore[arg-type]
+    r = _reports.Rank(rank=rank, process=None, result=None, probe=None)  # type: ignore[arg-type]
     r.failure, r.failed_at = failure, failed_at
     return r
 
@@ -165,13 +165,13 @@ def test_a_peer_reporting_first_does_not_hide_the_rank_that_died() -> None:
     # look for ranks that already died before it stops everyone (and so kills them itself).
     peer_text = "RuntimeError: [pair.cc:537] Read error: Connection reset by peer.\n"
     peer = RankError("rank 0 raised RuntimeError", rank=0, remote_traceback=peer_text)
-    dead = _reports.Rank(rank=1, process=_DiedSilently(), result=_NoReport())  # type: ignore[arg-type]
+    dead = _reports.Rank(rank=1, process=_DiedSilently(), result=_NoReport(), probe=None)  # type: ignore[arg-type]
     ranks = [_failed_rank(0, peer, 100.0), dead]
     _reports.wait_for_the_cause(ranks)
     cause = _reports.root_cause(ranks)
     assert cause.rank == 1 and cause.signal_name == "SIGKILL"
     # With nobody else dead the wait is short, and the peer's report is all there is.
-    alive = _reports.Rank(rank=1, process=_StillRunning(), result=_NoReport())  # type: ignore[arg-type]
+    alive = _reports.Rank(rank=1, process=_StillRunning(), result=_NoReport(), probe=None)  # type: ignore[arg-type]
     t0 = time.monotonic()
     _reports.wait_for_the_cause([ranks[0], alive])
     assert time.monotonic() - t0 < _reports._CAUSE_WAIT_S + 0.5
@@ -206,7 +206,7 @@ def test_a_rank_ignoring_sigterm_is_killed_at_timeout() -> None:
             timeout=1.0,
         )
     # timeout + the SIGTERM grace, then SIGKILL
-    assert time.monotonic() - t0 < 1.0 + _supervisor._TERMINATE_GRACE_S + 5
+    assert time.monotonic() - t0 < 1.0 + _stop.TERMINATE_GRACE_S + 5
 
 
 def test_pressing_stop_twice_still_kills_a_rank_that_ignores_sigterm() -> None:

@@ -181,6 +181,11 @@ CASES: list[tuple[str, str, tuple[Any, ...]]] = [
     ("08_ddp_optimizations.ipynb", "accumulate_every_step", ()),
     ("09_deepspeed_zero.ipynb", "train", ({},)),
     ("09_deepspeed_zero.ipynb", "train_and_save", ()),
+    ("10_lightning_fsdp_strategies.ipynb", "train_plain", ({},)),
+    ("12_sharded_checkpoints.ipynb", "save_both", ("fsdp2",)),
+    ("12_sharded_checkpoints.ipynb", "deepspeed_save", ()),
+    ("12_sharded_checkpoints.ipynb", "crash_second_save", ("dcp.save",)),
+    ("12_sharded_checkpoints.ipynb", "save_step_3", (False,)),
 ]
 
 
@@ -268,6 +273,23 @@ NO_TRAINING = {
     ("07_lightning_strategies.ipynb", "oss_state_bytes"),
     ("05_wrapping_policies.ipynb", "wrap_fairscale"),
     ("08_ddp_optimizations.ipynb", "without_the_flag"),
+    # Lightning places model and batches itself: these build a Trainer from PLAN (below).
+    ("10_lightning_fsdp_strategies.ipynb", "fit"),
+    ("10_lightning_fsdp_strategies.ipynb", "fails"),
+    ("10_lightning_fsdp_strategies.ipynb", "wrapped_tree"),
+    # Lesson 11 builds and loads models and measures the allocations; it computes no loss.
+    ("11_building_and_loading_big_models.ipynb", "naive"),
+    ("11_building_and_loading_big_models.ipynb", "meta_recipe"),
+    ("11_building_and_loading_big_models.ipynb", "sharded_from_the_start"),
+    ("11_building_and_loading_big_models.ipynb", "fsdp1_from_meta"),
+    ("11_building_and_loading_big_models.ipynb", "zero_init"),
+    ("11_building_and_loading_big_models.ipynb", "lightning_build"),
+    ("11_building_and_loading_big_models.ipynb", "load"),
+    # Lesson 12 restores checkpoints before training with make()/train_steps(), which
+    # save_both (above) checks; save_then_crash writes a file and dies on purpose.
+    ("12_sharded_checkpoints.ipynb", "resume"),
+    ("12_sharded_checkpoints.ipynb", "load_after_crash"),
+    ("12_sharded_checkpoints.ipynb", "save_then_crash"),
 }
 
 
@@ -310,3 +332,27 @@ def test_lightning_lesson_trains_where_the_plan_says(plan: RankPlan) -> None:
         namespace["trainer"]("ddp_sharded_notebook")
     (options,) = _TrainerSpy.calls
     assert (options["accelerator"], options["devices"]) == (plan.accelerator, plan.world_size)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        RankPlan(world_size=4, backend="nccl", gpus=4),
+        RankPlan(world_size=2, backend="gloo", gpus=0),
+    ],
+    ids=str,
+)
+def test_lightning_fsdp_lesson_follows_the_plan(plan: RankPlan) -> None:
+    # Lesson 10 builds each rank's Trainer with make_trainer, and picks Lightning's own
+    # FSDPStrategy on GPUs, the CPU teaching aid on CPU ranks.
+    notebook = "10_lightning_fsdp_strategies.ipynb"
+    with _lesson(notebook, Recorder()) as namespace:
+        namespace["PLAN"], namespace["WORLD_SIZE"] = plan, plan.world_size
+        strategy = namespace["fsdp"]()
+        namespace["pl"] = type("pl", (), {"Trainer": _TrainerSpy})
+        _TrainerSpy.calls = []
+        namespace["make_trainer"](strategy)
+    (options,) = _TrainerSpy.calls
+    assert (options["accelerator"], options["devices"]) == (plan.accelerator, plan.world_size)
+    expected = "FSDPStrategy" if plan.backend == "nccl" else "CPUFSDPStrategy"
+    assert type(strategy).__name__ == expected
