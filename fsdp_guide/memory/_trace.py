@@ -9,8 +9,9 @@ by identity, since they all sit at address 0). A builder runs under ``torch.devi
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from contextlib import nullcontext
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
@@ -243,12 +244,39 @@ def traced_activation_bytes(
         torch.autocast("cpu", dtype=torch.bfloat16) if precision == "mixed" else nullcontext()
     )
     # Real inputs meet fake parameters: the mode turns them into fake tensors where they do.
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _quiet_tracer():
         _to_fake(traced)
         try:
             inputs = _make_batch(make_batch, batch_size, seq_len)
             with autocast, _OnRealData():
                 nbytes, _ = saved_activation_bytes(traced, lambda: loss_fn(traced, inputs))
-        except RuntimeError as exc:  # sizes past int64, and the like
-            raise PlanError(f"cannot trace the forward pass: {exc}") from exc
+        except RuntimeError as exc:  # sizes past int64, data-dependent routing, ...
+            raise PlanError(_cannot_trace(traced, exc)) from exc
     return nbytes
+
+
+@contextmanager
+def _quiet_tracer() -> Iterator[None]:
+    """The fake-tensor tracer logs a failing op's whole stack: the error says enough."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
+
+
+def _cannot_trace(model: nn.Module, exc: Exception) -> str:
+    """One line saying why the forward cannot be traced, and what to do instead."""
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    experts = [m for m in model.modules() if "expert" in type(m).__name__.lower()]
+    if experts:
+        return (
+            f"cannot trace {type(model).__name__}'s activations: its mixture-of-experts layers "
+            f"({type(experts[0]).__name__}) send each token to experts chosen from its values, "
+            "which a trace without data cannot follow; measure one forward with "
+            "saved_activation_bytes and pass its bytes as activations= to plan the rest"
+            f" ({reason})"
+        )
+    return f"cannot trace the forward pass: {reason}"

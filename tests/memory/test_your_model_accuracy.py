@@ -15,6 +15,7 @@ from hf_models import Logits, batch_fn, builder, measure_and_plan_many
 from torch import nn
 
 from fsdp_guide.engines import block_classes, model_shape, unit_names
+from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher import launch
 from fsdp_guide.memory import build_on_meta, plan, traced_activation_bytes
 from fsdp_guide.models import MLP, Block, TinyTransformer, TransformerConfig, loss_fn
@@ -103,3 +104,26 @@ def test_a_mask_of_ones_is_traced_as_the_real_forward_takes_it() -> None:
     real, _ = saved_activation_bytes(model, lambda: loss_fn(model, (x, y)))
     assert traced_activation_bytes(model, 4, 16, batch=batch_fn("llama")) == real
     assert isinstance(real, int) and torch.is_tensor(x)
+
+
+def test_a_mixture_of_experts_is_refused_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    def mixtral() -> nn.Module:
+        cfg = transformers.MixtralConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+        return Logits(transformers.MixtralForCausalLM(cfg), "tokens")
+
+    kwargs = {"batch_size": 2, "seq_len": 16, "world_size": 2, "strategy": "fsdp2"}
+    with pytest.raises(PlanError, match="mixture-of-experts layers .MixtralExperts.") as caught:
+        plan(mixtral, batch=batch_fn("llama"), **kwargs)
+    assert "\n" not in str(caught.value) and "activations=" in str(caught.value)
+    assert not [r for r in caplog.records if r.name.startswith("torch")]  # no tracer's log
+    # The rest of the plan, with activations measured on one real forward:
+    assert plan(mixtral, batch=batch_fn("llama"), activations=1000, **kwargs).activations == 1000
