@@ -6,7 +6,7 @@ Run from the repository root (transformers installed, e.g. ``pip install -e ".[d
 
 Tiny transformers models built from config classes (GPT-2 with tied embeddings, Llama with
 grouped-query attention and an attention mask of ones, BERT with a padding mask, T5, ViT and
-a ResNet) train two steps under each strategy on gloo ranks. Each rank measures, in the last
+a ResNet) train three steps under each strategy on gloo ranks. Each rank measures, in the third
 step, its model state after ``optimizer.step()``, the bytes autograd saved in the forward,
 and the payload of each collective kind; ``fsdp_guide.memory.plan`` plans the same rank
 from a builder, without allocating the model. ``benchmarks/results/your_model_matrix.md``
