@@ -45,6 +45,7 @@ from fsdp_guide.engines._registry import (
     get_unit_engine,
     unit_engines,
     unit_of,
+    with_wrap,
     wrap_for_strategy,
 )
 from fsdp_guide.engines._units import (
@@ -107,6 +108,7 @@ __all__ = [
     "unit_names",
     "unit_of",
     "unit_shapes",
+    "with_wrap",
     "without_state",
     "wrap_for_strategy",
 ]

@@ -127,3 +127,17 @@ def test_a_mixture_of_experts_is_refused_in_one_line(caplog: pytest.LogCaptureFi
     assert not [r for r in caplog.records if r.name.startswith("torch")]  # no tracer's log
     # The rest of the plan, with activations measured on one real forward:
     assert plan(mixtral, batch=batch_fn("llama"), activations=1000, **kwargs).activations == 1000
+
+
+def test_compare_wraps_as_told_and_predicts_it() -> None:
+    from fsdp_guide.compare import run_comparison
+    from fsdp_guide.models import build_model, count_params
+
+    with pytest.raises(ValueError, match="unknown wrap 'layers'"):
+        run_comparison(["fsdp"], wrap="layers", progress=None)
+    psi = count_params(build_model("transformer"))
+    rows = run_comparison(["fsdp"], world_size=2, steps=1, batch_size=2, progress=None, wrap="root")
+    for row in rows:  # the whole model one unit: gathered once, kept until backward
+        assert row.comm_measured is not None and row.comm_predicted is not None
+        assert row.comm_measured.elements_by_kind() == {"reduce_scatter": psi, "all_gather": psi}
+        assert dict(row.comm_predicted.payload) == row.comm_measured.elements_by_kind()
