@@ -129,6 +129,7 @@ class DeepSpeedZero(Engine):
 
     name = "deepspeed"
     title = "DeepSpeed"
+    mixed_precision = "params"
     sharded_layout = "deepspeed"  # DeepSpeed's own files, by engine.save_checkpoint
     saves_full = False
     stage: int

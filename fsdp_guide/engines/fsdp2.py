@@ -128,6 +128,7 @@ class FSDP2(TorchStateDict, UnitEngine):
     name = "fsdp2"
     title = "PyTorch FSDP2 (fully_shard)"
     shards_in_place = True
+    mixed_precision = "params"
     sharded_layout = "dcp"
     loads_dcp = True
     full_optimizer_keys = "name"

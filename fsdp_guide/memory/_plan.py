@@ -278,6 +278,7 @@ def plan(
             precision=precision,
             activation_checkpointing=activation_checkpointing,
             batch=batch,
+            mixed="params" if engine.mixed_precision == "params" else "autocast",
         )
     largest, _ = _unit_sizes(shape)
     transient = engine.transient(

@@ -27,6 +27,8 @@ ModelSource = nn.Module | Callable[[], nn.Module]
 #: What activation checkpointing to plan for: none, each :class:`~fsdp_guide.models.Block`,
 #: or each module of a class.
 Checkpointing = None | Literal["blocks"] | type[nn.Module]
+#: How mixed precision computes in bf16: autocast (DDP's AMP) or bf16 parameters (FSDP, DeepSpeed).
+MixedPrecisionKind = Literal["autocast", "params"]
 #: Builds a ``(inputs, targets)`` batch of ``(batch_size, seq_len)``; run on fake tensors.
 BatchBuilder = Callable[[int, int], tuple[Tensor, Tensor]]
 
@@ -88,15 +90,17 @@ def build_on_meta(source: ModelSource) -> nn.Module:
     return model
 
 
-def _to_fake(model: nn.Module) -> None:
+def _to_fake(model: nn.Module, param_dtype: torch.dtype | None = None) -> None:
     """Replace ``model``'s parameters and buffers, in place, by CPU tensors of the active fake
-    mode: same shapes and dtypes, tied parameters still tied."""
+    mode: same shapes and dtypes (floating parameters in ``param_dtype`` when given), tied
+    parameters still tied."""
     fakes: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None:
                 if id(p) not in fakes:
-                    fake = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+                    dtype = param_dtype if param_dtype and p.is_floating_point() else p.dtype
+                    fake = torch.empty(p.shape, dtype=dtype, device="cpu")
                     fakes[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
                 module._parameters[name] = fakes[id(p)]
         for name, b in module._buffers.items():
@@ -205,6 +209,7 @@ def traced_activation_bytes(
     precision: Precision = "fp32",
     activation_checkpointing: Checkpointing = None,
     batch: BatchBuilder | None = None,
+    mixed: MixedPrecisionKind = "autocast",
 ) -> int:
     """Bytes autograd saves for backward in one forward and loss, traced on fake tensors.
 
@@ -212,9 +217,15 @@ def traced_activation_bytes(
         model: The model, real or on the meta device; it is not changed.
         batch_size: Samples in this rank's batch.
         seq_len: Tokens per sample (ignored by models without sequences, such as the MLP).
-        precision: ``"mixed"`` traces under bfloat16 autocast.
+        precision: ``"mixed"``: bfloat16 compute, as ``mixed`` says.
         activation_checkpointing: ``None``, ``"blocks"`` or a layer class to checkpoint.
         batch: Builds ``(inputs, targets)``; known for the demo models.
+        mixed: How ``"mixed"`` computes in bfloat16. ``"autocast"``: under
+            ``torch.autocast`` (DDP's AMP), which casts the weights for each op and keeps
+            those bf16 copies for backward; ``"params"``: in bf16 parameters and inputs, as
+            FSDP's ``MixedPrecision(param_dtype=torch.bfloat16)``, FSDP2's
+            ``MixedPrecisionPolicy`` and DeepSpeed's ``bf16`` run it (their bf16 weights
+            are parameters, not activations).
 
     Returns:
         What :func:`fsdp_guide.wrap.saved_activation_bytes` counts on a real forward.
@@ -240,14 +251,25 @@ def traced_activation_bytes(
     make_batch = batch or _default_batch(traced)
     if activation_checkpointing is not None:
         _checkpoint(traced, activation_checkpointing)
+    if mixed not in ("autocast", "params"):
+        raise PlanError(f"mixed must be 'autocast' or 'params', got {mixed!r}")
+    cast = precision == "mixed" and mixed == "params"
     autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16) if precision == "mixed" else nullcontext()
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if precision == "mixed" and not cast
+        else nullcontext()
     )
     # Real inputs meet fake parameters: the mode turns them into fake tensors where they do.
     with FakeTensorMode(allow_non_fake_inputs=True), _quiet_tracer():
-        _to_fake(traced)
+        _to_fake(traced, torch.bfloat16 if cast else None)
         try:
             inputs = _make_batch(make_batch, batch_size, seq_len)
+            if cast:  # the engine casts the forward's floating inputs, not the targets
+                x, *rest = inputs
+                x = pytree.tree_map_only(
+                    Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, x
+                )
+                inputs = (x, *rest)
             with autocast, _OnRealData():
                 nbytes, _ = saved_activation_bytes(traced, lambda: loss_fn(traced, inputs))
         except RuntimeError as exc:  # sizes past int64, data-dependent routing, ...

@@ -188,3 +188,35 @@ def measure_and_plan_many(
 ) -> list[dict[str, dict[str, int]]]:
     """:func:`measure_and_plan` for each ``(model, strategy)`` in one launch."""
     return [measure_and_plan(rank, world_size, name, strategy) for name, strategy in cases]
+
+
+def fsdp2_bf16_saved(rank: int, world_size: int, names: list[str]) -> list[tuple[int, int]]:
+    """On a launched rank: (measured, planned) saved bytes of each model under FSDP2 with
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, a unit per block."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fsdp_guide.engines import unit_names
+    from fsdp_guide.memory import plan
+    from fsdp_guide.models import loss_fn
+    from fsdp_guide.wrap import saved_activation_bytes
+
+    pairs = []
+    for name in names:
+        model = builder(name)()
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for unit in unit_names(model):
+            fully_shard(model.get_submodule(unit), mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        batch = batch_fn(name)(2, SEQ)
+        saved, _ = saved_activation_bytes(model, lambda: loss_fn(model, batch))  # noqa: B023
+        planned = plan(
+            builder(name),
+            batch_size=2,
+            seq_len=SEQ,
+            world_size=world_size,
+            strategy="fsdp2",
+            precision="mixed",
+            batch=batch_fn(name),
+        )
+        pairs.append((saved, planned.activations))
+    return pairs

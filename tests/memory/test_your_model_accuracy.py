@@ -141,3 +141,13 @@ def test_compare_wraps_as_told_and_predicts_it() -> None:
         assert row.comm_measured is not None and row.comm_predicted is not None
         assert row.comm_measured.elements_by_kind() == {"reduce_scatter": psi, "all_gather": psi}
         assert dict(row.comm_predicted.payload) == row.comm_measured.elements_by_kind()
+
+
+def test_fsdp2_mixed_precision_saves_what_is_planned() -> None:
+    # FSDP2 casts the parameters to bf16: no autocast copies of the weights are saved.
+    from hf_models import fsdp2_bf16_saved
+
+    (pairs, _) = launch(
+        fsdp2_bf16_saved, 2, args=(["llama", "vit"],), backend="gloo", start_method="fork"
+    )
+    assert [planned for _, planned in pairs] == [saved for saved, _ in pairs]
