@@ -32,7 +32,7 @@ Examples:
 
 from __future__ import annotations
 
-from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, ModelShape, Transient
+from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
 from fsdp_guide.engines._registry import (
     ENGINES,
@@ -48,6 +48,7 @@ from fsdp_guide.engines._registry import (
     with_wrap,
     wrap_for_strategy,
 )
+from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._units import (
     UNIT_RULES,
     UnitEngine,

@@ -17,7 +17,8 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from torch import nn
 
-from fsdp_guide.engines._base import Engine, ModelShape
+from fsdp_guide.engines._base import Engine
+from fsdp_guide.engines._shape import ModelShape
 
 
 class UnitPolicy(Protocol):

@@ -32,7 +32,6 @@ from fsdp_guide.engines._base import (
     Collectives,
     Engine,
     Layout,
-    ModelShape,
     Transient,
     replicated,
 )
@@ -42,6 +41,7 @@ from fsdp_guide.engines._deepspeed_state import (
     is_deepspeed_engine,
     zero_stage_of,
 )
+from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.launcher import check_world_size
 
 __all__ = ["DeepSpeedZero", "deepspeed_layout"]

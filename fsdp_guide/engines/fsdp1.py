@@ -30,13 +30,13 @@ from fsdp_guide.engines._base import (
     Built,
     Collectives,
     Layout,
-    ModelShape,
     Transient,
     adam,
     fully_sharded,
     replicated,
 )
 from fsdp_guide.engines._checkpoint import TorchStateDict
+from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._units import (
     UNIT_RULES,
     UnitEngine,

@@ -34,12 +34,12 @@ from fsdp_guide.engines._base import (
     Built,
     Collectives,
     Layout,
-    ModelShape,
     Transient,
     adam,
     fully_sharded,
 )
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
+from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._units import (
     UNIT_RULES,
     UnitEngine,
