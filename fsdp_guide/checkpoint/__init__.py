@@ -15,10 +15,10 @@ it with its own model and optimizer):
 - :func:`consolidate` (or ``python -m fsdp_guide consolidate SRC DST``) turns a sharded
   checkpoint into one full file, in one process, without the model code.
 
-The engine is read from the model and optimizer (:func:`fsdp_guide.engines.detect`: plain
-module, DDP, ``ZeroRedundancyOptimizer``, FairScale OSS, ShardedDDP and FSDP, PyTorch FSDP1
-and FSDP2, a DeepSpeed engine), never passed in; how each one's state goes in and out is its
-adapter's to say (:class:`fsdp_guide.engines.Engine`).
+The engine (plain module, DDP, ``ZeroRedundancyOptimizer``, FairScale OSS, ShardedDDP and
+FSDP, PyTorch FSDP1 and FSDP2, DeepSpeed) is read from the model and optimizer by
+:func:`fsdp_guide.engines.detect`; its adapter (:class:`fsdp_guide.engines.Engine`) moves its
+state.
 
 A failure on any rank raises the same :class:`~fsdp_guide.errors.CheckpointError` on every
 rank, so no rank is left waiting and nothing is loaded halfway. Every file is checked against
