@@ -26,6 +26,7 @@ STRATEGIES = ("ddp", "zero1", "sharded_ddp", "fsdp_grad_op", "fsdp2")
 # What the table depends on: a change to any of these plans it again.
 _SOURCES = (
     "fsdp_guide/memory/_plan.py",
+    "fsdp_guide/memory/_tp.py",
     "fsdp_guide/memory/_predict.py",
     "fsdp_guide/memory/_trace.py",
     "fsdp_guide/memory/_zero.py",

@@ -90,6 +90,14 @@ def add_parser(sub: Any) -> None:
         default=8,
         help="number of GPUs (ranks); default 8",
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int_at_least(1),
+        default=1,
+        metavar="T",
+        help="with --model: ranks per tensor-parallel group, FSDP2 on the other mesh dimension "
+        "(the model's tp_plan says which layers are cut); default 1",
+    )
     p.add_argument("--precision", choices=get_args(Precision), default="mixed")
     p.add_argument("--optimizer", choices=get_args(OptimizerName), default="adam")
     p.add_argument(
@@ -151,6 +159,13 @@ def estimate_table(
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.model is None and args.tensor_parallel > 1:
+        from fsdp_guide.errors import CommandError
+
+        raise CommandError(
+            "--tensor-parallel needs a real model (--model package.module:builder): the layers "
+            "it cuts come from the model's tp_plan"
+        )
     if args.model is not None:
         from fsdp_guide.cli._estimate_model import run_model
 

@@ -128,7 +128,8 @@ def run_model(args: argparse.Namespace) -> int:
     from fsdp_guide.memory import Plan, build_on_meta, plan, traced_activation_bytes
     from fsdp_guide.models import MLP
 
-    names = args.strategy or list(STRATEGIES)
+    tp = getattr(args, "tensor_parallel", 1)
+    names = args.strategy or (["fsdp2"] if tp > 1 else list(STRATEGIES))
     plans: list[Plan] = []
     what = f"importing, building and tracing {args.model}"
     # Tracing imports some 800 modules on first use: done here, before the time limit, since
@@ -142,14 +143,19 @@ def run_model(args: argparse.Namespace) -> int:
             model = build_on_meta(builder)
             config = getattr(model, "config", None)
             seq_len = args.seq_len or getattr(config, "seq_len", 1)
-            # One trace serves every strategy: the activations per rank do not depend on it.
-            activations = traced_activation_bytes(
-                model,
-                args.batch_size,
-                seq_len,
-                precision=args.precision,
-                activation_checkpointing=checkpointing,
-            )
+            batch = getattr(model, "example_batch", None)
+            # One trace serves every strategy: the activations per rank do not depend on it
+            # (with tensor parallelism, plan() traces the model as one rank cuts it).
+            activations = None
+            if tp == 1:
+                activations = traced_activation_bytes(
+                    model,
+                    args.batch_size,
+                    seq_len,
+                    precision=args.precision,
+                    activation_checkpointing=checkpointing,
+                    batch=batch,
+                )
         for name in names:
             plans.append(
                 plan(
@@ -162,6 +168,8 @@ def run_model(args: argparse.Namespace) -> int:
                     activation_checkpointing=checkpointing,
                     optimizer=args.optimizer,
                     activations=activations,
+                    tensor_parallel=tp,
+                    batch=batch,
                 )
             )
     except PlanError as exc:

@@ -22,6 +22,7 @@ from fsdp_guide.comm._count import (
     CommCounter,
     CommStats,
     count_collectives,
+    payload_of,
 )
 from fsdp_guide.comm._predict import CommPrediction, predict_communication, root_unit_params
 
@@ -33,6 +34,7 @@ __all__ = [
     "CommPrediction",
     "CommStats",
     "count_collectives",
+    "payload_of",
     "predict_communication",
     "root_unit_params",
 ]

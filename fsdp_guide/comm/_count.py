@@ -199,21 +199,79 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.per_group: dict[int, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.namespace == "c10d":
-            kind, index = _OPS.get(func._opname, (None, 0))
-            if kind is not None:
-                tensors = list(_tensors(args[index])) if kind != "barrier" else []
-                calls, elements, nbytes, dtypes = self.counts.setdefault(kind, [0, 0, 0, set()])
-                self.counts[kind] = [
-                    calls + 1,
-                    elements + sum(t.numel() for t in tensors),
-                    nbytes + sum(t.numel() * t.element_size() for t in tensors),
-                    dtypes | {str(t.dtype) for t in tensors},
-                ]
-                group = _process_group(args)
-                if group is not None:
-                    self.per_group[id(group)] = self.per_group.get(id(group), 0) + 1
+        found = payload_of(func, args)
+        if found is not None:
+            kind, elements, nbytes, dtypes, group = found
+            calls, total, total_bytes, seen = self.counts.setdefault(kind, [0, 0, 0, set()])
+            self.counts[kind] = [calls + 1, total + elements, total_bytes + nbytes, seen | dtypes]
+            if group is not None:
+                self.per_group[id(group)] = self.per_group.get(id(group), 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+# Functional collectives (``torch.ops._c10d_functional``, what DTensor and tensor parallelism
+# issue): op -> kind. Their input is the payload, except an all-gather's: input times ranks.
+_FUNCTIONAL: dict[str, CollectiveKind] = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+
+
+def payload_of(func: Any, args: Any) -> tuple[str, int, int, set[str], Any] | None:
+    """(kind, elements, bytes, dtypes, process group) of a collective op, None for other ops.
+
+    Both the ``c10d`` ops (``torch.distributed``'s calls) and the functional collectives
+    (``_c10d_functional``, issued by DTensor) are recognised. A ``TorchDispatchMode`` calls
+    it with each op it sees.
+
+    Args:
+        func: The op (``OpOverload``) a dispatch mode received.
+        args: Its positional arguments.
+
+    Examples:
+        >>> payload_of(torch.ops.aten.add.Tensor, (torch.ones(2), torch.ones(2))) is None
+        True
+    """
+    scale, group = 1, None
+    if func.namespace == "c10d":
+        kind, index = _OPS.get(func._opname, (None, 0))
+        if kind is None:
+            return None
+        tensors = list(_tensors(args[index])) if kind != "barrier" else []
+        group = _process_group(args)
+    elif func.namespace == "_c10d_functional" and func._opname in _FUNCTIONAL:
+        kind = _FUNCTIONAL[func._opname]
+        tensors = list(_tensors(args[0]))
+        if kind == "all_gather":
+            scale = int(args[1])  # (input, group_size, group_name)
+        group = _group_named(args[-1])
+    else:
+        return None
+    elements = scale * sum(t.numel() for t in tensors)
+    nbytes = scale * sum(t.numel() * t.element_size() for t in tensors)
+    return kind, elements, nbytes, {str(t.dtype) for t in tensors}, group
+
+
+def _group_named(name: Any) -> Any:
+    """The process group a functional collective names, None if it cannot be resolved."""
+    if not isinstance(name, str):
+        return None
+    from torch.distributed.distributed_c10d import (  # type: ignore[attr-defined]
+        _resolve_process_group,
+    )
+
+    try:
+        return _resolve_process_group(name)  # type: ignore[arg-type]
+    except (RuntimeError, ValueError, KeyError):
+        return None
 
 
 def _sequence_numbers() -> dict[Any, int | None]:

@@ -32,7 +32,13 @@ Examples:
 
 from __future__ import annotations
 
-from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient
+from fsdp_guide.engines._base import (
+    Built,
+    Collectives,
+    Engine,
+    Layout,
+    Transient,
+)
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
 from fsdp_guide.engines._registry import (
     ENGINES,
@@ -49,6 +55,7 @@ from fsdp_guide.engines._registry import (
     wrap_for_strategy,
 )
 from fsdp_guide.engines._shape import ModelShape
+from fsdp_guide.engines._step import StepPeak, StepSizes
 from fsdp_guide.engines._units import (
     UNIT_RULES,
     UnitEngine,
@@ -88,6 +95,8 @@ __all__ = [
     "ModelShape",
     "Plain",
     "ShardedDDP",
+    "StepPeak",
+    "StepSizes",
     "TorchStateDict",
     "Transient",
     "UnitEngine",

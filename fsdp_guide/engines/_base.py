@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fsdp_guide.engines._shape import ModelShape
+from fsdp_guide.engines._step import StepPeak, StepSizes
 
 #: What :meth:`Engine.build` returns: the module to train and its optimizer. A DeepSpeed
 #: engine's optimizer is DeepSpeed's ZeRO optimizer, typed as the torch optimizer it wraps.
@@ -227,6 +228,37 @@ class Engine(ABC):
             num_params: Parameters of the model.
             largest_unit: Parameters of the largest unit (a transformer block, say).
         """
+
+    @property
+    def grads_between_steps(self) -> bool:
+        """Whether the gradient buffers of :meth:`layout` stay allocated between steps
+        (DeepSpeed ZeRO-3's partition buffer and reduce bucket); ``False`` where
+        ``zero_grad()`` frees them."""
+        return False
+
+    def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
+        """The peak of a steady training step, beyond the state kept between steps.
+
+        The default, as DDP: every activation saved in forward is still held when backward
+        starts writing every gradient (their buckets fill as activations are freed, but the
+        first bucket's gradients come from the last layer, whose activations go last).
+
+        Args:
+            sizes: The sizes of the model and its activations.
+            world_size: Ranks.
+
+        Examples:
+            >>> from fsdp_guide.engines import engine_for
+            >>> sizes = StepSizes(params=400, grads=400, largest_unit=100,
+            ...                   largest_unit_grads=100, root_unit=0, activations=50)
+            >>> engine_for("ddp").step_peak(sizes, 2).bytes
+            450
+        """
+        return StepPeak(
+            bytes=sizes.activations + sizes.grads,
+            phase="backward",
+            kind="activations + every gradient",
+        )
 
     @abstractmethod
     def collectives(

@@ -83,8 +83,9 @@ def engine_for(strategy: str | StrategySpec) -> Engine:
         ValueError: For an unknown strategy.
 
     Examples:
-        >>> engine_for("fsdp_grad_op")
-        FSDP1(sharding_strategy='SHARD_GRAD_OP', shard_group=None, wrap='blocks')
+        >>> engine = engine_for("fsdp_grad_op")
+        >>> engine.sharding_strategy, engine.shard_group
+        ('SHARD_GRAD_OP', None)
         >>> engine_for("deepspeed_zero2_offload")
         DeepSpeedZero(stage=2, offload_optimizer=True, offload_params=False)
     """

@@ -42,6 +42,7 @@ from fsdp_guide.engines._deepspeed_state import (
     zero_stage_of,
 )
 from fsdp_guide.engines._shape import ModelShape
+from fsdp_guide.engines._step import StepPeak, StepSizes
 from fsdp_guide.launcher import check_world_size
 
 __all__ = ["DeepSpeedZero", "deepspeed_layout"]
@@ -191,6 +192,31 @@ class DeepSpeedZero(Engine):
             return None
         numels = [math.prod(shape) for shape in shapes]
         return replicated(world_size, self.own_formula(numels, world_size))
+
+    @property
+    def grads_between_steps(self) -> bool:
+        """ZeRO-3 keeps its gradient partitions and reduce bucket for the whole run."""
+        return self.stage == 3
+
+    def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
+        """ZeRO-3: every activation and every parameter gathered at the start of backward
+        (its prefetch bucket, 5e7 elements by default, holds a small model whole). ZeRO-0/1/2:
+        every activation and every gradient, an upper bound (DeepSpeed reduces and frees
+        gradients bucket by bucket while backward frees activations).
+
+        Examples:
+            >>> sizes = StepSizes(params=1000, grads=1000, largest_unit=200,
+            ...                   largest_unit_grads=200, root_unit=200, activations=500)
+            >>> DeepSpeedZero(stage=3).step_peak(sizes, 2).bytes
+            1500
+        """
+        if self.stage == 3:
+            return StepPeak(
+                bytes=sizes.activations + sizes.params,
+                phase="backward",
+                kind="activations + every parameter gathered (prefetched)",
+            )
+        return super().step_peak(sizes, world_size)
 
     def transient(
         self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int

@@ -37,6 +37,7 @@ from fsdp_guide.engines._base import (
 )
 from fsdp_guide.engines._checkpoint import TorchStateDict
 from fsdp_guide.engines._shape import ModelShape
+from fsdp_guide.engines._step import StepPeak, StepSizes
 from fsdp_guide.engines._units import (
     UNIT_RULES,
     UnitEngine,
@@ -69,6 +70,12 @@ class FSDP1(TorchStateDict, UnitEngine):
         wrap: ``"blocks"``: a unit per transformer block
             (:func:`~fsdp_guide.engines.block_classes`), then the root; ``"root"``: the
             whole model one unit.
+        backward_prefetch: ``"BACKWARD_PRE"`` (the default: gather the next unit before the
+            current one computes its gradients), ``"BACKWARD_POST"`` (after), or ``None``
+            (no prefetch in backward).
+        forward_prefetch: Gather the next unit before the current one's forward.
+        limit_all_gathers: At most two units' all-gathers in flight (a CUDA rate limiter;
+            it changes nothing on CPU).
     """
 
     name = "fsdp1"
@@ -93,6 +100,9 @@ class FSDP1(TorchStateDict, UnitEngine):
     sharding_strategy: ShardingStrategyName = "FULL_SHARD"
     shard_group: int | None = None
     wrap: UnitRule = "blocks"
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] | None = "BACKWARD_PRE"
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
 
     def __post_init__(self) -> None:
         choices = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -112,6 +122,11 @@ class FSDP1(TorchStateDict, UnitEngine):
             isinstance(self.shard_group, bool) or self.shard_group < 1
         ):
             raise ValueError(f"shard_group must be an int >= 1, got {self.shard_group!r}")
+        if self.backward_prefetch not in ("BACKWARD_PRE", "BACKWARD_POST", None):
+            raise ValueError(
+                f"backward_prefetch must be 'BACKWARD_PRE', 'BACKWARD_POST' or None, "
+                f"got {self.backward_prefetch!r}"
+            )
 
     @property
     def hybrid(self) -> bool:
@@ -123,7 +138,7 @@ class FSDP1(TorchStateDict, UnitEngine):
         return isinstance(model, _fsdp1_class())
 
     def build(self, model: nn.Module, *, device: torch.device, world_size: int, lr: float) -> Built:
-        from torch.distributed.fsdp import ShardingStrategy
+        from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
         kwargs: dict[str, Any] = {}
         if self.hybrid:
@@ -146,6 +161,11 @@ class FSDP1(TorchStateDict, UnitEngine):
             model,
             device_id=device,
             sharding_strategy=ShardingStrategy[self.sharding_strategy],
+            backward_prefetch=(
+                BackwardPrefetch[self.backward_prefetch] if self.backward_prefetch else None
+            ),
+            forward_prefetch=self.forward_prefetch,
+            limit_all_gathers=self.limit_all_gathers,
             **kwargs,
         )
         return module, adam(module.parameters(), lr)
@@ -190,6 +210,51 @@ class FSDP1(TorchStateDict, UnitEngine):
         flat = sum(-(-size // group) for size in sizes)
         one = Layout(params=flat, grads=flat, optimizer=flat, steps=len(sizes))
         return replicated(world_size, one)
+
+    def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
+        """The peak of a step with a unit per block (``shard(model, policy=LayerPolicy(Block))``).
+
+        At the start of backward: every activation, the root's parameters, the blocks
+        gathered at once and one block's unsharded gradients. ``backward_prefetch`` decides
+        how many blocks: two with ``"BACKWARD_PRE"`` (the running one and the next), one with
+        ``"BACKWARD_POST"`` or ``None``; ``forward_prefetch`` adds one. ``SHARD_GRAD_OP``
+        keeps every block gathered from forward to backward (peak at the end of forward).
+        A model with no blocks is one unit: the larger of the start of backward (activations
+        and the gathered parameters) and its end (the parameters, the unsharded flat gradient
+        and its padded copy to reduce-scatter). ``NO_SHARD``: as DDP.
+
+        Examples:
+            >>> sizes = StepSizes(params=1000, grads=1000, largest_unit=200,
+            ...                   largest_unit_grads=200, root_unit=200, activations=500)
+            >>> [FSDP1(backward_prefetch=b).step_peak(sizes, 2).bytes
+            ...  for b in ("BACKWARD_PRE", None)]
+            [1300, 1100]
+            >>> one = StepSizes(params=1000, grads=1000, largest_unit=1000,
+            ...                 largest_unit_grads=1000, root_unit=1000, activations=500)
+            >>> FSDP1().step_peak(one, 2).bytes
+            3000
+        """
+        if self.stage_at_step == 0:
+            return super().step_peak(sizes, world_size)
+        a, unit = sizes.activations, sizes.largest_unit
+        if sizes.root_unit >= sizes.params:  # one unit, the whole model
+            start, end = a + sizes.params, sizes.params + 2 * sizes.grads
+            kind = "activations + every parameter gathered"
+            if end > start:
+                kind = "gathered parameters + unsharded gradient + its copy to reduce-scatter"
+            return StepPeak(bytes=max(start, end), phase="backward", kind=kind)
+        if self.sharding_strategy == "SHARD_GRAD_OP":
+            return StepPeak(
+                bytes=a + sizes.params + unit,
+                phase="forward",
+                kind="activations + every parameter gathered + one all-gather buffer",
+            )
+        blocks = (2 if self.backward_prefetch == "BACKWARD_PRE" else 1) + self.forward_prefetch
+        return StepPeak(
+            bytes=a + sizes.root_unit + blocks * unit + sizes.largest_unit_grads,
+            phase="backward",
+            kind=f"activations + root + {blocks} gathered block(s) + a block's gradients",
+        )
 
     def transient(
         self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int

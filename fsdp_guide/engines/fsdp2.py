@@ -40,6 +40,7 @@ from fsdp_guide.engines._base import (
 )
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
 from fsdp_guide.engines._shape import ModelShape
+from fsdp_guide.engines._step import StepPeak, StepSizes
 from fsdp_guide.engines._units import (
     UNIT_RULES,
     UnitEngine,
@@ -118,6 +119,10 @@ class FSDP2(TorchStateDict, UnitEngine):
             (:func:`~fsdp_guide.engines.block_classes`); ``"root"``: the whole model one unit.
         shard_group: Ranks per shard group on a 2-D ``(replicate, shard)`` mesh (HSDP), when
             the world divides by it; ``None`` to shard over every rank (a 1-D mesh).
+        reshard_after_forward: ``fully_shard``'s setting for the blocks: ``True`` frees each
+            block's gathered parameters after its forward (gathered again for backward),
+            ``False`` keeps them until backward, an int ``k`` keeps a ``1 / k`` shard of them
+            (gathered again from ``k`` ranks for backward).
 
     Examples:
         >>> hsdp = FSDP2(shard_group=2)
@@ -135,6 +140,7 @@ class FSDP2(TorchStateDict, UnitEngine):
 
     shard_group: int | None = None
     wrap: UnitRule = "blocks"
+    reshard_after_forward: bool | int = True
 
     def __post_init__(self) -> None:
         if self.wrap not in UNIT_RULES:
@@ -174,7 +180,8 @@ class FSDP2(TorchStateDict, UnitEngine):
 
         mesh = self.mesh(device, world_size)
         for name in unit_names(model, self.wrap):  # children before parents
-            fully_shard(model.get_submodule(name), mesh=mesh)
+            block = model.get_submodule(name)
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         fully_shard(model, mesh=mesh)
         return model, adam(model.parameters(), lr)
 
@@ -200,6 +207,39 @@ class FSDP2(TorchStateDict, UnitEngine):
         return Transient(
             bytes=(param_bytes + grad_bytes) * largest_unit,
             kind="largest gathered unit (params + grads)",
+        )
+
+    def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
+        """Where ``reshard_after_forward`` puts the peak of a step.
+
+        ``True``: at the start of backward, every activation, the root's parameters (kept
+        from forward), two blocks gathered (the one running and the next, prefetched) and the
+        running block's unsharded gradients. ``False``: at the end of forward, every
+        activation and every parameter gathered, plus the copy-out buffer of the last
+        all-gather (a block). An int ``k``: as ``True``, plus each block's ``1 / k`` share
+        kept from forward.
+
+        Examples:
+            >>> sizes = StepSizes(params=1000, grads=1000, largest_unit=200,
+            ...                   largest_unit_grads=200, root_unit=200, activations=500)
+            >>> [FSDP2(reshard_after_forward=r).step_peak(sizes, 4).bytes for r in (True, False, 2)]
+            [1300, 1700, 1700]
+        """
+        a, unit = sizes.activations, sizes.largest_unit
+        if self.reshard_after_forward is False:
+            return StepPeak(
+                bytes=a + sizes.params + unit,
+                phase="forward",
+                kind="activations + every parameter gathered + one all-gather buffer",
+            )
+        kept = 0
+        if self.reshard_after_forward is not True:
+            kept = (sizes.params - sizes.root_unit) // int(self.reshard_after_forward)
+        return StepPeak(
+            bytes=a + sizes.root_unit + kept + 2 * unit + sizes.largest_unit_grads,
+            phase="backward",
+            kind="activations + root + two gathered blocks + a block's gradients"
+            + (" + the blocks' shares kept from forward" if kept else ""),
         )
 
     def collectives(

@@ -50,12 +50,13 @@ from __future__ import annotations
 
 from fsdp_guide.memory._allocations import Allocations, track_allocations
 from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
-from fsdp_guide.memory._plan import Plan, plan, recommend
+from fsdp_guide.memory._plan import Plan, plan
 from fsdp_guide.memory._predict import (
     estimate_deepspeed_state,
     predict_model_state,
     state_per_rank,
 )
+from fsdp_guide.memory._recommend import recommend
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._trace import build_on_meta, traced_activation_bytes
 from fsdp_guide.memory._zero import (

@@ -23,8 +23,9 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from torch import nn
 
@@ -32,9 +33,9 @@ from fsdp_guide.catalog import get_strategy
 from fsdp_guide.comm import CommPrediction, predict_communication
 from fsdp_guide.engines import (
     ModelShape,
+    StepSizes,
     UnitPolicy,
     UnitRule,
-    engine_class,
     engine_for,
     model_shape,
 )
@@ -42,6 +43,13 @@ from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher import check_world_size
 from fsdp_guide.memory._predict import state_per_rank
 from fsdp_guide.memory._state import ModelState
+from fsdp_guide.memory._tp import (
+    check_tp,
+    cut_layers,
+    local_model,
+    tp_all_reduce_elements,
+    tp_plan_of,
+)
 from fsdp_guide.memory._trace import (
     BatchBuilder,
     Checkpointing,
@@ -81,6 +89,15 @@ class Plan:
             optimizer owns whole tensors or a shard is padded.
         exact_state: Whether ``ranks`` follow the engine's layout to the byte (``False``:
             the ZeRO formula, for an engine the planner does not know).
+        step_peak: The most bytes held at once during a steady training step: the state
+            kept between steps (gradients freed by ``zero_grad()`` left out), the
+            activations and the buffers alive at that moment, as the engine says
+            (:meth:`fsdp_guide.engines.Engine.step_peak`).
+        step_peak_phase: Where in the step it falls.
+        step_peak_kind: What is held then beyond the state, in words.
+        tensor_parallel: Ranks of each tensor-parallel group (1: none); the state,
+            activations and communication are then those of one rank of a
+            ``(world_size // tensor_parallel, tensor_parallel)`` mesh.
     """
 
     strategy: str
@@ -95,6 +112,10 @@ class Plan:
     cpu_offload: bool = False
     ranks: tuple[ModelState, ...] = ()
     exact_state: bool = True
+    step_peak: int = 0
+    step_peak_phase: str = ""
+    step_peak_kind: str = ""
+    tensor_parallel: int = 1
 
     @property
     def fullest_rank(self) -> int:
@@ -156,6 +177,8 @@ class Plan:
             "transient_kind": self.transient_kind,
             "communication": self.communication.payload_bytes,
             "total": self.rank_total(index) if self.ranks else self.total,
+            "step_peak": self.step_peak,
+            "tensor_parallel": self.tensor_parallel,
         }
 
 
@@ -194,6 +217,9 @@ def plan(
     optimizer: OptimizerName = "adam",
     activations: int | None = None,
     policy: UnitRule | UnitPolicy = "blocks",
+    tensor_parallel: int = 1,
+    tp_plan: Mapping[str, str] | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -218,13 +244,26 @@ def plan(
             strategies do), ``"root"`` (the whole model one unit) or a
             :class:`fsdp_guide.wrap.WrapPolicy`. It decides FSDP1's padding, the largest
             gathered unit and what is gathered twice.
+        tensor_parallel: Ranks per tensor-parallel group, ``t``: the ranks form a
+            ``(world_size // t, t)`` mesh, tensor parallelism cuts the layers of ``tp_plan``
+            over its second dimension and the strategy (``"fsdp2"`` only) shards over the
+            first. ``batch_size`` is then per data-parallel group.
+        settings: Engine settings that replace the strategy's own, such as
+            ``{"reshard_after_forward": False}`` for ``"fsdp2"`` or
+            ``{"backward_prefetch": None}`` for ``"fsdp"`` (the fields of its
+            :mod:`fsdp_guide.engines` adapter).
+        tp_plan: Layer name (or ``fnmatch`` pattern) to ``"colwise"`` or ``"rowwise"``; by
+            default the model's own ``tp_plan`` attribute (:data:`fsdp_guide.parallel.TP_PLAN`
+            for :class:`fsdp_guide.parallel.ParallelTransformer`).
 
     Returns:
         A :class:`Plan`.
 
     Raises:
         PlanError: Unknown strategy, bad sizes, more than ``MAX_RANKS`` (2**20) ranks, a failing
-            builder, CPU offload with a strategy that does not shard parameters.
+            builder, CPU offload with a strategy that does not shard parameters; a
+            tensor-parallel degree that does not divide the ranks or the cut layers, with a
+            strategy other than ``"fsdp2"``, or without a plan.
 
     Examples:
         >>> from fsdp_guide.memory import predict_model_state
@@ -244,6 +283,15 @@ def plan(
     try:
         spec = get_strategy(strategy)
         engine = engine_for(spec)
+        if settings:
+            known = sorted(f.name for f in fields(engine))
+            unknown = sorted(set(settings) - set(known))
+            if unknown:
+                raise PlanError(
+                    f"{spec.name!r} runs on {engine.name}, which has no setting {unknown}; "
+                    f"its settings: {', '.join(known) or 'none'}"
+                )
+            engine = replace(engine, **settings)
         check_world_size(world_size)
         per = bytes_per_param(precision, optimizer)
     except ValueError as exc:
@@ -261,11 +309,19 @@ def plan(
     num_params = sum(p.numel() for p in model.parameters())
     if num_params == 0:
         raise PlanError(f"{type(model).__name__} has no parameters to train")
+    tp, tp_elements = check_tp(engine, world_size, tensor_parallel), 0
+    if tp > 1:  # from here on, the model is what one rank of a tensor-parallel group computes
+        cut = cut_layers(model, tp, tp_plan_of(model, tp_plan))
+        tp_elements = tp_all_reduce_elements(model, cut, batch_size, seq_len)
+        model = local_model(model, tp, cut)
+    dp = world_size // tp
     try:
         shape = model_shape(model, policy)
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
-    ranks, exact = state_per_rank(engine, shape, world_size, precision, optimizer)
+    local_params = shape.num_params
+    dp_ranks, exact = state_per_rank(engine, shape, dp, precision, optimizer)
+    ranks = tuple(dp_ranks[r // tp] for r in range(world_size))  # the mesh is row-major
     state = max(ranks, key=lambda s: s.total)  # the first of the fullest
     if activations is not None:
         if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
@@ -280,11 +336,30 @@ def plan(
             batch=batch,
             mixed="params" if engine.mixed_precision == "params" else "autocast",
         )
-    largest, _ = _unit_sizes(shape)
+    largest, root = _unit_sizes(shape)
     transient = engine.transient(
-        param_bytes=per.params, grad_bytes=per.grads, num_params=num_params, largest_unit=largest
+        param_bytes=per.params, grad_bytes=per.grads, num_params=local_params, largest_unit=largest
     )
     dtype = "bf16" if precision == "mixed" else "fp32"
+    communication = predict_communication(spec.name, local_params, dp, dtype, shape=shape)
+    if tp > 1:
+        communication = replace(
+            communication,
+            num_params=num_params,
+            world_size=world_size,
+            payload={**communication.payload, "all_reduce": tp_elements},
+            group_sizes={**communication.group_sizes, "all_reduce": tp},
+        )
+    sizes = StepSizes(
+        params=per.params * local_params,
+        grads=per.grads * local_params,
+        largest_unit=per.params * largest,
+        largest_unit_grads=per.grads * largest,
+        root_unit=per.params * root,
+        activations=activations,
+    )
+    peak = engine.step_peak(sizes, dp)
+    kept = state.total if engine.grads_between_steps else state.total - state.grads - state.buckets
     return Plan(
         strategy=spec.name,
         world_size=world_size,
@@ -294,52 +369,12 @@ def plan(
         activations=activations,
         transient=transient.bytes,
         transient_kind=transient.kind,
-        communication=predict_communication(spec.name, num_params, world_size, dtype, shape=shape),
+        communication=communication,
         cpu_offload=cpu_offload,
         ranks=ranks,
         exact_state=exact,
-    )
-
-
-def maintenance_rank(strategy: str) -> int:
-    """0 for a maintained engine, 1 for a superseded one (FSDP1), 2 for FairScale's.
-
-    The engine's adapter says it (:attr:`fsdp_guide.engines.Engine.maintenance`).
-
-    Examples:
-        >>> [maintenance_rank(s) for s in ("fsdp2", "ddp", "fsdp", "sharded_ddp")]
-        [0, 0, 1, 2]
-    """
-    try:
-        engine = get_strategy(strategy).engine
-    except ValueError:  # a name outside the catalog: nothing is known against it
-        return 0
-    return engine_class(engine).maintenance
-
-
-def recommend(plans: Sequence[Plan], gpu_memory: int, margin: float = 0.1) -> Plan | None:
-    """The plan that fits ``gpu_memory`` less the margin, maintained engines first.
-
-    Among the plans that fit, those on a maintained engine (DDP, ZeroRedundancyOptimizer,
-    FSDP2, DeepSpeed) come first, then FSDP1, then FairScale's;
-    within a rank, the least communication per step wins, then the least memory on the
-    fullest rank, then the first plan given.
-
-    Examples:
-        >>> from fsdp_guide.models import MLP
-        >>> plans = [plan(MLP(), batch_size=8, seq_len=1, world_size=2, strategy=s)
-        ...          for s in ("ddp", "sharded_ddp", "fsdp", "fsdp2")]
-        >>> recommend(plans, 10**9).strategy  # the least communication, and maintained
-        'ddp'
-        >>> recommend(plans, 2_600_000).strategy  # DDP no longer fits; FSDP2 before FSDP1
-        'fsdp2'
-        >>> recommend(plans, 10) is None
-        True
-    """
-    fitting = [p for p in plans if p.fits(gpu_memory, margin)]
-    # min() keeps the first of equal keys: the order given breaks exact ties.
-    return min(
-        fitting,
-        key=lambda p: (maintenance_rank(p.strategy), p.communication.payload_bytes, p.total),
-        default=None,
+        step_peak=(0 if cpu_offload else kept) + peak.bytes,
+        step_peak_phase=peak.phase,
+        step_peak_kind=peak.kind,
+        tensor_parallel=tp,
     )

@@ -186,6 +186,11 @@ CASES: list[tuple[str, str, tuple[Any, ...]]] = [
     ("12_sharded_checkpoints.ipynb", "deepspeed_save", ()),
     ("12_sharded_checkpoints.ipynb", "crash_second_save", ("dcp.save",)),
     ("12_sharded_checkpoints.ipynb", "save_step_3", (False,)),
+    ("13_one_step_in_time.ipynb", "one_step", ("ddp",)),
+    ("13_one_step_in_time.ipynb", "one_step", ("zero1",)),
+    ("13_one_step_in_time.ipynb", "one_step", ("fsdp2", {"reshard_after_forward": False})),
+    ("13_one_step_in_time.ipynb", "one_step", ("deepspeed_zero3",)),
+    ("13_one_step_in_time.ipynb", "every_step", ({"FSDP1": ("fsdp1", {})},)),
 ]
 
 
@@ -290,6 +295,9 @@ NO_TRAINING = {
     ("12_sharded_checkpoints.ipynb", "resume"),
     ("12_sharded_checkpoints.ipynb", "load_after_crash"),
     ("12_sharded_checkpoints.ipynb", "save_then_crash"),
+    # a package function (fsdp_guide.parallel), device=None meaning rank_device(), tested
+    # on 4 ranks in tests/parallel
+    ("14_beyond_data_parallelism.ipynb", "train_2d"),
 }
 
 

@@ -1,0 +1,54 @@
+"""Which plan to pick: maintained engines first, then the least communication (private)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fsdp_guide.catalog import get_strategy
+from fsdp_guide.engines import engine_class
+from fsdp_guide.memory._plan import Plan
+
+
+def maintenance_rank(strategy: str) -> int:
+    """0 for a maintained engine, 1 for a superseded one (FSDP1), 2 for FairScale's.
+
+    The engine's adapter says it (:attr:`fsdp_guide.engines.Engine.maintenance`).
+
+    Examples:
+        >>> [maintenance_rank(s) for s in ("fsdp2", "ddp", "fsdp", "sharded_ddp")]
+        [0, 0, 1, 2]
+    """
+    try:
+        engine = get_strategy(strategy).engine
+    except ValueError:  # a name outside the catalog: nothing is known against it
+        return 0
+    return engine_class(engine).maintenance
+
+
+def recommend(plans: Sequence[Plan], gpu_memory: int, margin: float = 0.1) -> Plan | None:
+    """The plan that fits ``gpu_memory`` less the margin, maintained engines first.
+
+    Among the plans that fit, those on a maintained engine (DDP, ZeroRedundancyOptimizer,
+    FSDP2, DeepSpeed) come first, then FSDP1, then FairScale's;
+    within a rank, the least communication per step wins, then the least memory on the
+    fullest rank, then the first plan given.
+
+    Examples:
+        >>> from fsdp_guide.memory import plan
+        >>> from fsdp_guide.models import MLP
+        >>> plans = [plan(MLP(), batch_size=8, seq_len=1, world_size=2, strategy=s)
+        ...          for s in ("ddp", "sharded_ddp", "fsdp", "fsdp2")]
+        >>> recommend(plans, 10**9).strategy  # the least communication, and maintained
+        'ddp'
+        >>> recommend(plans, 2_600_000).strategy  # DDP no longer fits; FSDP2 before FSDP1
+        'fsdp2'
+        >>> recommend(plans, 10) is None
+        True
+    """
+    fitting = [p for p in plans if p.fits(gpu_memory, margin)]
+    # min() keeps the first of equal keys: the order given breaks exact ties.
+    return min(
+        fitting,
+        key=lambda p: (maintenance_rank(p.strategy), p.communication.payload_bytes, p.total),
+        default=None,
+    )

@@ -1,0 +1,307 @@
+"""One training step in time: bytes per category and collectives on one axis (private).
+
+torch's profiler does the measuring: with ``profile_memory=True`` it records every CPU (and
+CUDA) allocation and free, and its memory profile (what ``export_memory_timeline`` writes)
+sorts each tensor into parameters, gradients, optimizer state, activations and temporaries.
+Two things are added here. Tensors that existed before the step (the model state) are
+labelled from :func:`fsdp_guide.memory.measure_model_state`, since the profile cannot tell
+an FSDP shard from any other pre-existing tensor; and each collective runs inside a
+``record_function`` named for its kind and payload bytes, through a ``TorchDispatchMode`` over
+``torch.ops.c10d``, so it lands on the profiler's own clock and in the Chrome trace.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_guide.comm import payload_of
+
+#: The categories of a timeline, in the order tables and plots show them.
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
+PHASES = ("forward", "backward", "optimizer step")
+_MARK = "fsdp_guide:"
+# The memory profile's columns (torch.profiler's export_memory_timeline JSON): a leading 0,
+# then parameter, optimizer state, input, temporary, activation, gradient, autograd detail,
+# and tensors it could not categorise.
+_COLUMNS = (
+    None,
+    "params",
+    "optimizer",
+    "activations",
+    "temporaries",
+    "activations",
+    "grads",
+    "temporaries",
+    None,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveEvent:
+    """One collective of the step.
+
+    Attributes:
+        kind: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``, ...
+        bytes: Payload bytes (the full tensor gathered or reduce-scattered, the tensor reduced).
+        start_us: When it started, microseconds from the start of the step.
+        end_us: When it returned.
+    """
+
+    kind: str
+    bytes: int
+    start_us: float
+    end_us: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTimeline:
+    """A rank's allocated bytes over one training step, by category, and its collectives.
+
+    Attributes:
+        times_us: Instants at which the allocated bytes changed, microseconds from the start.
+        bytes: For each of :data:`CATEGORIES`, the bytes held at each instant.
+        phases: ``(name, start_us, end_us)`` of forward, backward and the optimizer step.
+        collectives: Every collective, in the order issued.
+        state_before: Bytes of model state held when the step began (they are in
+            ``bytes`` from the first instant on).
+        categorised: ``False`` where torch's memory profile could not sort the step's
+            tensors (it rejects FSDP1's flat-parameter graphs): what the step allocates is
+            then all counted as temporaries, its total still exact.
+
+    Examples:
+        >>> t = StepTimeline(times_us=(0.0, 1.0), bytes={c: (1, 2) for c in CATEGORIES},
+        ...                  phases=(), collectives=(), state_before=5)
+        >>> t.total, t.peak, t.peak_split()["grads"]
+        ((5, 10), 10, 2)
+    """
+
+    times_us: tuple[float, ...]
+    bytes: Mapping[str, tuple[int, ...]]
+    phases: tuple[tuple[str, float, float], ...]
+    collectives: tuple[CollectiveEvent, ...]
+    state_before: int
+    categorised: bool = True
+
+    @property
+    def total(self) -> tuple[int, ...]:
+        """Allocated bytes at each instant, all categories."""
+        return tuple(sum(col) for col in zip(*self.bytes.values(), strict=True))
+
+    @property
+    def peak(self) -> int:
+        """The most bytes allocated at once during the step."""
+        return max(self.total)
+
+    @property
+    def peak_index(self) -> int:
+        """The first instant at which :attr:`peak` is reached."""
+        return self.total.index(self.peak)
+
+    def peak_split(self) -> dict[str, int]:
+        """The bytes of each category at the peak."""
+        i = self.peak_index
+        return {c: self.bytes[c][i] for c in CATEGORIES}
+
+    def phase_at(self, time_us: float) -> str:
+        """The phase running at ``time_us`` (``""`` outside them)."""
+        return next((n for n, a, b in self.phases if a <= time_us <= b), "")
+
+    def collective_bytes(self) -> dict[str, int]:
+        """Payload bytes per kind of collective, over the step."""
+        out: dict[str, int] = {}
+        for event in self.collectives:
+            out[event.kind] = out.get(event.kind, 0) + event.bytes
+        return out
+
+
+class _Marked(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Runs each c10d op inside a ``record_function`` naming its kind and payload bytes."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        found = payload_of(func, args)
+        if found is None or found[0] == "barrier":
+            return func(*args, **(kwargs or {}))
+        kind, _, size, _, _ = found
+        with torch.profiler.record_function(f"{_MARK}{kind}:{size}"):
+            return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _native_stderr_closed() -> Iterator[None]:
+    """Send what native code writes to stderr to /dev/null: the profiler logs a line when it
+    starts and stops on every rank, which would bury a lesson's output."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():  # the memory timeline export warns it is deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def record_step(
+    forward: Callable[[], Any],
+    backward: Callable[[Any], None],
+    step: Callable[[], None],
+    *,
+    state_before: Mapping[str, int],
+    trace_path: str | os.PathLike[str] | None = None,
+) -> StepTimeline:
+    """Run one training step under torch's profiler and return its timeline on this rank.
+
+    Call it on every rank (the step's collectives need them all), on a step after the first,
+    so that the optimizer state already exists.
+
+    Args:
+        forward: Runs the forward pass and returns what ``backward`` takes (the loss).
+        backward: Runs the backward pass.
+        step: Runs the optimizer step (for a DeepSpeed engine, ``engine.step``).
+        state_before: Bytes of model state held before the step, by category: ``params``,
+            ``grads``, ``optimizer`` (the fields of
+            :func:`~fsdp_guide.memory.measure_model_state`'s result; a separate master copy
+            or buckets count as ``optimizer`` and ``grads``).
+        trace_path: Where to write the profiler's Chrome trace (open it in Perfetto or
+            ``chrome://tracing``); ``None`` for none.
+
+    Returns:
+        The :class:`StepTimeline`.
+
+    Raises:
+        ValueError: For a category of ``state_before`` outside ``params``, ``grads``,
+            ``optimizer``, or a negative byte count.
+    """
+    bad = {k: v for k, v in state_before.items() if k not in CATEGORIES[:3] or v < 0}
+    if bad:
+        raise ValueError(f"state_before takes bytes >= 0 of params, grads and optimizer; got {bad}")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(
+        activities=activities, profile_memory=True, record_shapes=True, with_stack=True
+    )
+    # The cyclic garbage collector runs when allocation counts say so, freeing tensors held
+    # in reference cycles (autograd graphs, FSDP's hooks) at moments that differ from run to
+    # run: off during the step, so the same step allocates the same bytes every time.
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    with _native_stderr_closed():
+        profiler.start()
+    try:
+        with _Marked():  # type: ignore[no-untyped-call]
+            with torch.profiler.record_function(f"{_MARK}forward"):
+                out = forward()
+            with torch.profiler.record_function(f"{_MARK}backward"):
+                backward(out)
+            with torch.profiler.record_function(f"{_MARK}optimizer step"):
+                step()
+    finally:
+        with _native_stderr_closed():
+            profiler.stop()
+        if gc_was_enabled:
+            gc.enable()
+    with tempfile.TemporaryDirectory() as tmp:
+        memory = os.path.join(tmp, "memory.json")
+        trace = os.fspath(trace_path) if trace_path else os.path.join(tmp, "trace.json")
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        profiler.export_chrome_trace(trace)
+        with open(trace) as f:
+            trace_json = json.load(f)
+        # The memory profile counts microseconds since the epoch; the trace from its own base.
+        base = float(trace_json.get("baseTimeNanoseconds", 0)) / 1000
+        try:
+            with _quiet():
+                profiler.export_memory_timeline(memory, device=device)
+            with open(memory) as f:
+                times, sizes = json.load(f)
+            categorised = True
+        except Exception:
+            # The memory profile rejects some graphs (an assertion on FSDP1's flat parameters,
+            # on DeepSpeed's hooks): the trace's allocation events still give the exact total,
+            # the step's own bytes uncategorised.
+            times, sizes = _uncategorised(trace_json["traceEvents"], base)
+            categorised = False
+    timeline = _timeline(times, sizes, trace_json["traceEvents"], base, state_before)
+    return replace(timeline, categorised=categorised)
+
+
+def _uncategorised(
+    events: list[dict[str, Any]], base: float
+) -> tuple[list[float], list[list[int]]]:
+    """Rows of the memory profile's shape from the trace's allocation events, all of them in
+    its last column (tensors it could not categorise)."""
+    allocations = sorted(
+        (float(e["ts"]), int(e["args"]["Bytes"]))
+        for e in events
+        if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0
+    )
+    times, sizes, held = [base], [[0] * len(_COLUMNS)], 0
+    for ts, nbytes in allocations:
+        held += nbytes
+        times.append(ts + base)
+        sizes.append([0] * (len(_COLUMNS) - 1) + [held])
+    return times, sizes
+
+
+def _timeline(
+    times: list[float],
+    sizes: list[list[int]],
+    events: list[dict[str, Any]],
+    base: float,
+    state_before: Mapping[str, int],
+) -> StepTimeline:
+    marks = sorted(
+        (e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(_MARK)),
+        key=lambda e: float(e["ts"]),
+    )
+    origin = float(marks[0]["ts"]) if marks else float(times[0]) - base
+    phases, collectives = [], []
+    for e in marks:
+        name = e["name"][len(_MARK) :]
+        start, end = float(e["ts"]) - origin, float(e["ts"]) + float(e["dur"]) - origin
+        if ":" in name:
+            kind, size = name.split(":")
+            collectives.append(
+                CollectiveEvent(kind=kind, bytes=int(size), start_us=start, end_us=end)
+            )
+        else:
+            phases.append((name, start, end))
+    # The first row holds the tensors that existed before the step and that it touched;
+    # the profile cannot tell an FSDP shard from any other, so that row is replaced by the
+    # measured state, and what the step adds is taken category by category.
+    first = sizes[0] if sizes else []
+    columns: dict[str, list[int]] = {c: [] for c in CATEGORIES}
+    for row in sizes:
+        per = {c: state_before.get(c, 0) for c in CATEGORIES}
+        for i, (column, value) in enumerate(zip(_COLUMNS, row, strict=True)):
+            per[column or "temporaries"] += value - first[i]
+        for c in CATEGORIES:
+            columns[c].append(per[c])
+    return StepTimeline(
+        times_us=tuple(max(0.0, float(t) - base - origin) for t in times),
+        bytes={c: tuple(v) for c, v in columns.items()},
+        phases=tuple(phases),
+        collectives=tuple(collectives),
+        state_before=sum(state_before.values()),
+    )

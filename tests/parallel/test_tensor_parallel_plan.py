@@ -1,0 +1,173 @@
+"""Tensor parallelism on a (dp, tp) mesh: the planner's figures against a real 4-rank run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from fsdp_guide.errors import PlanError
+from fsdp_guide.launcher import launch
+from fsdp_guide.memory import plan
+from fsdp_guide.models import MLP
+from fsdp_guide.parallel import ParallelConfig, ParallelTransformer, reference_losses, train_2d
+
+CONFIG = ParallelConfig(dim=32, n_heads=4, n_layers=2, seq_len=8, hidden=64)
+BATCH = 4
+
+
+def _tokens(batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    return ids, ids.clone()
+
+
+def _plan(world_size: int, tp: int, **kwargs: Any) -> Any:
+    return plan(
+        lambda: ParallelTransformer(CONFIG),
+        batch_size=BATCH // (world_size // tp),
+        seq_len=CONFIG.seq_len,
+        world_size=world_size,
+        strategy="fsdp2",
+        tensor_parallel=tp,
+        batch=_tokens,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    return launch(
+        train_2d, world_size=4, args=(2, 2), kwargs={"batch_size": BATCH, "config": CONFIG}
+    )
+
+
+def test_each_rank_holds_the_planned_state(runs: list[dict[str, Any]]) -> None:
+    planned = _plan(4, 2)
+    assert [r["state"] for r in runs] == list(planned.ranks)
+    # TP cuts the blocks: a rank holds more than a quarter (dp=2) but less than a half.
+    flat = _plan(4, 1)
+    assert flat.state.params < planned.state.params < 2 * flat.state.params
+
+
+def test_each_collective_sends_the_planned_bytes(runs: list[dict[str, Any]]) -> None:
+    planned = _plan(4, 2).communication
+    expected = {kind: 4 * n for kind, n in planned.payload.items()}
+    assert set(expected) == {"all_gather", "reduce_scatter", "all_reduce"}
+    for r in runs:
+        assert r["collectives"] == expected
+    assert planned.group_sizes["all_reduce"] == 2
+
+
+def test_activations_are_those_traced_on_the_cut_model(runs: list[dict[str, Any]]) -> None:
+    planned = _plan(4, 2).activations
+    assert abs(runs[0]["activations"] - planned) <= 0.01 * planned
+    assert (
+        planned
+        < _plan(
+            4,
+            1,
+        ).activations
+        * 2
+    )  # twice the samples, half of each block
+
+
+def test_the_2d_run_trains_like_the_unsharded_model(runs: list[dict[str, Any]]) -> None:
+    groups = [r["losses"] for r in runs if r["tp_rank"] == 0]
+    means = [sum(step) / len(step) for step in zip(*groups, strict=True)]
+    single = reference_losses(steps=len(means), batch_size=BATCH, config=CONFIG)
+    torch.testing.assert_close(torch.tensor(means), torch.tensor(single), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tensor_parallel": 3}, "divide world_size"),
+        ({"tensor_parallel": 0}, "divide world_size"),
+        ({"tensor_parallel": True}, "int >= 1"),
+        ({"tensor_parallel": 2, "strategy": "ddp"}, "strategy='fsdp2'"),
+        ({"tensor_parallel": 2, "strategy": "fsdp2_hybrid"}, "strategy='fsdp2'"),
+        ({"tensor_parallel": 2, "tp_plan": {"attention.wq": "diagonal"}}, "colwise"),
+        ({"tensor_parallel": 2, "tp_plan": {"nothing.here": "colwise"}}, "matches no layer"),
+        ({"tensor_parallel": 2, "tp_plan": {"attention_norm": "colwise"}}, "name nn.Linear"),
+        (
+            {"tensor_parallel": 4, "tp_plan": {"w1": "colwise", "w2": "rowwise"}, "world_size": 8},
+            "",
+        ),
+    ],
+)
+def test_a_bad_tensor_parallel_request_is_a_plan_error(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    args: dict[str, Any] = {
+        "batch_size": 2,
+        "seq_len": 8,
+        "world_size": 4,
+        "strategy": "fsdp2",
+        "batch": _tokens,
+        **kwargs,
+    }
+    if not message:  # a valid request: it plans
+        assert plan(lambda: ParallelTransformer(CONFIG), **args).tensor_parallel == 4
+        return
+    with pytest.raises(PlanError, match=message):
+        plan(lambda: ParallelTransformer(CONFIG), **args)
+
+
+def test_features_that_do_not_divide_are_named() -> None:
+    with pytest.raises(PlanError, match="not divisible by tensor_parallel=3"):
+        plan(
+            lambda: ParallelTransformer(CONFIG),
+            batch_size=1,
+            seq_len=8,
+            world_size=3,
+            strategy="fsdp2",
+            tensor_parallel=3,
+            batch=_tokens,
+        )
+
+
+def test_a_model_without_a_tp_plan_needs_one() -> None:
+    with pytest.raises(PlanError, match="has no tp_plan"):
+        plan(MLP(), batch_size=2, seq_len=1, world_size=2, strategy="fsdp2", tensor_parallel=2)
+    cut = plan(
+        MLP(),
+        batch_size=2,
+        seq_len=1,
+        world_size=2,
+        strategy="fsdp2",
+        tensor_parallel=2,
+        tp_plan={"net.0": "colwise", "net.2": "rowwise"},
+    )
+    assert cut.communication.payload["all_reduce"] > 0
+
+
+def test_estimate_plans_a_tensor_parallel_degree(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from fsdp_guide.cli import main
+
+    model = "fsdp_guide.parallel:ParallelTransformer"
+    args = ["estimate", "--model", model, "--world-size", "4", "--precision", "fp32"]
+    assert main([*args, "--tensor-parallel", "2", "--batch-size", "4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    want = plan(
+        ParallelTransformer,
+        batch_size=4,
+        seq_len=16,
+        world_size=4,
+        strategy="fsdp2",
+        tensor_parallel=2,
+        batch=_tokens,
+    )
+    assert rows == [want.as_dict(rank) for rank in range(4)]
+    assert rows[0]["tensor_parallel"] == 2
+
+
+def test_estimate_refuses_a_tensor_parallel_degree_without_a_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from fsdp_guide.cli import main
+
+    assert main(["estimate", "--params", "7B", "--tensor-parallel", "2"]) != 0
+    assert "--tensor-parallel needs a real model" in capsys.readouterr().err
