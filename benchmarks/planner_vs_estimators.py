@@ -1,17 +1,20 @@
 """The planner next to DeepSpeed's ZeRO estimators and accelerate's memory estimate.
 
-Same model for all three: the demo transformer at GPT-2 and 1B widths, built on the meta
-device, on 8 GPUs of one node. DeepSpeed and accelerate are not dependencies of the package;
-install them beside it to run this (``pip install deepspeed==0.19.8 accelerate``)::
+Same models for all three: Llama-3-8B on 8 GPUs (one node) and Llama-3-70B on 64 GPUs (8 nodes
+of 8), built from transformers' ``LlamaConfig`` with the published sizes on the meta device
+(``fsdp_guide.hf.hf_builder``: nothing downloaded, nothing allocated). DeepSpeed and accelerate
+are not dependencies of the package; install them beside it to run this
+(``pip install -c requirements/constraints.txt -e ".[dev]" accelerate``)::
 
     python benchmarks/planner_vs_estimators.py
 
-It writes ``benchmarks/results/planner_vs_estimators.md``.
+It writes ``benchmarks/results/planner_vs_estimators.md``, whose table the "Will it fit?"
+guide page includes.
 
-- DeepSpeed: ``estimate_zero2_model_states_mem_needs`` and ``..._zero3_...`` with the
-  parameter counts (the ``_all_live`` variants count parameters by ``data_ptr``, which is 0
-  for every tensor of a meta model, so they would see one tensor). Model states only,
-  under its mixed-precision assumptions.
+- DeepSpeed: ``estimate_zero2_model_states_mem_needs`` and ``..._zero3_...`` (no offload) with
+  the parameter count and the largest module's own parameters, counted here as DeepSpeed's
+  ``model_to_params`` does (its ``_all_live`` variants tell tensors apart by ``data_ptr``,
+  which is 0 for every tensor of a meta model, so they would see one tensor).
 - accelerate: ``calculate_maximum_sizes`` on the model (what ``accelerate estimate-memory``
   computes after loading a model from the Hub, which is not reachable here) and the figure
   its "Training using Adam" column prints: the largest entry of ``estimate_training_usage``.
@@ -19,26 +22,41 @@ It writes ``benchmarks/results/planner_vs_estimators.md``.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdp_guide.memory import Plan, plan, traced_activation_bytes
-from fsdp_guide.models import TinyTransformer, TransformerConfig
+from fsdp_guide.hf import hf_builder
+from fsdp_guide.memory import Plan, build_on_meta, plan, traced_activation_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner_vs_estimators.md"
-GPUS = 8
-MODELS = {
-    "GPT-2 width": TransformerConfig(
-        vocab_size=50257, dim=768, n_heads=12, n_layers=12, seq_len=1024
+PER_NODE, SEQ, GPU = 8, 8192, 80 * 10**9
+_LLAMA3 = {"vocab_size": 128256, "max_position_embeddings": 8192, "num_key_value_heads": 8}
+# The published sizes (config.json of Meta-Llama-3-8B and -70B); rope settings change no byte.
+MODELS: dict[str, tuple[dict[str, int], int]] = {
+    "8B": (
+        {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+         "num_attention_heads": 32, **_LLAMA3},
+        8,
     ),
-    "1B": TransformerConfig(vocab_size=32000, dim=2048, n_heads=16, n_layers=18, seq_len=2048),
-}
+    "70B": (
+        {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+         "num_attention_heads": 64, **_LLAMA3},
+        64,
+    ),
+}  # fmt: skip
+# (label, our strategy, precision, which DeepSpeed figure, which accelerate figure)
+ROWS = (
+    ("DDP fp32", "ddp", "fp32", None, "train_fp32"),
+    ("DDP bf16", "ddp", "mixed", None, "train_bf16"),
+    ("ZeRO-2 bf16", "deepspeed_zero2", "mixed", "zero2", None),
+    ("ZeRO-3 bf16", "deepspeed_zero3", "mixed", "zero3", None),
+    ("FSDP2 bf16", "fsdp2", "mixed", None, None),
+)
 
 
 def largest_layer_params(model: torch.nn.Module) -> int:
@@ -46,28 +64,15 @@ def largest_layer_params(model: torch.nn.Module) -> int:
     return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
 
 
-def deepspeed_figures(num_params: int, largest: int) -> tuple[int, int, str]:
-    """Per-GPU bytes of ZeRO-2 and ZeRO-3 without offload, and what ``_all_cold`` prints."""
-    from deepspeed.runtime.zero.stage3 import (
-        estimate_zero3_model_states_mem_needs,
-        estimate_zero3_model_states_mem_needs_all_cold,
-    )
-    from deepspeed.runtime.zero.stage_1_and_2 import (
-        estimate_zero2_model_states_mem_needs,
-        estimate_zero2_model_states_mem_needs_all_cold,
-    )
+def deepspeed_figures(num_params: int, largest: int, gpus: int) -> dict[str, int]:
+    """Per-GPU bytes of ZeRO-2 and ZeRO-3 without offload, ``gpus`` in nodes of 8."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    _, zero2 = estimate_zero2_model_states_mem_needs(
-        num_params, num_gpus_per_node=GPUS, cpu_offload=False
-    )
-    _, zero3, _ = estimate_zero3_model_states_mem_needs(
-        num_params, largest, num_gpus_per_node=GPUS, cpu_offload=False
-    )
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        estimate_zero2_model_states_mem_needs_all_cold(num_params, num_gpus_per_node=GPUS)
-        estimate_zero3_model_states_mem_needs_all_cold(num_params, largest, num_gpus_per_node=GPUS)
-    return zero2, zero3, printed.getvalue()
+    nodes = {"num_gpus_per_node": PER_NODE, "num_nodes": gpus // PER_NODE, "cpu_offload": False}
+    _, zero2 = estimate_zero2_model_states_mem_needs(num_params, **nodes)
+    _, zero3, _ = estimate_zero3_model_states_mem_needs(num_params, largest, **nodes)
+    return {"zero2": zero2, "zero3": zero3}
 
 
 def accelerate_figures(model: torch.nn.Module) -> dict[str, int]:
@@ -83,115 +88,78 @@ def accelerate_figures(model: torch.nn.Module) -> dict[str, int]:
     }
 
 
-def gb(n: float) -> str:
-    return f"{n / 1e9:.2f}"
+def gb(n: float | None) -> str:
+    """GB with one decimal, two below 1 GB (a 26 MB bucket is 0.03, not 0.0)."""
+    if n is None:
+        return "–"
+    return f"{n / 1e9:.1f}" if n >= 1e9 else f"{n / 1e9:.2f}"
 
 
-def ours(model: torch.nn.Module, cfg: TransformerConfig, strategy: str, precision: str) -> Plan:
-    saved = traced_activation_bytes(
-        model,
-        1,
-        cfg.seq_len,
-        precision=precision,
-        activation_checkpointing="blocks",  # type: ignore[arg-type]
-    )
-    return plan(model, batch_size=1, seq_len=cfg.seq_len, world_size=GPUS, strategy=strategy,
-                precision=precision, activation_checkpointing="blocks", activations=saved)  # type: ignore[arg-type]  # fmt: skip
+def ours(model: torch.nn.Module, gpus: int, strategy: str, precision: Any, saved: int) -> Plan:
+    block = type(model.model.layers[0])  # type: ignore[index, union-attr]
+    return plan(model, batch_size=1, seq_len=SEQ, world_size=gpus, strategy=strategy,
+                precision=precision, activation_checkpointing=block, activations=saved)  # fmt: skip
 
 
 def main() -> None:
+    import deepspeed
+    import transformers
+
     out = [
         "# The planner next to DeepSpeed's and accelerate's estimates",
         "",
-        f"The demo transformer built on the meta device, {GPUS} GPUs on one node, Adam. "
-        "GB = 10^9 bytes per GPU. Ours: `fsdp_guide.memory.plan`, the fullest rank's model "
-        "state (parameters + gradients + optimizer state, Adam's step counters included), and "
-        "separately its transient buffer and the activations at batch 1, full sequence, "
-        "blocks checkpointed. Generated by `python benchmarks/planner_vs_estimators.py` "
-        f"(torch {torch.__version__}).",
+        f"Llama-3-8B on 8 GPUs and Llama-3-70B on 64 GPUs ({PER_NODE} per node), built from "
+        "transformers' `LlamaConfig` on the meta device; Adam; GB = 10^9 bytes per GPU. Ours: "
+        "`fsdp_guide.memory.plan` on the fullest rank: model *state* (parameters, gradients, "
+        f"optimizer state), activations (*act.*) at batch 1 and {SEQ:,} tokens with every decoder "
+        "layer checkpointed, the *transient* buffer, and their *total*; *fits* is that total "
+        "against 80 GB less a 10% margin. ZeRO-2 and ZeRO-3 are DeepSpeed's "
+        "(`deepspeed_zero2`, `deepspeed_zero3`). Generated by "
+        f"`python benchmarks/planner_vs_estimators.py` (torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}, "
+        f"accelerate {_version('accelerate')}).",
         "",
-        "| model | Ψ | setting | ours: model state | ours: + transient | ours: activations "
-        "| DeepSpeed | accelerate |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        "<!-- table -->",
+        "",
+        "| model | setting | state | act. | transient | total | fits | DeepSpeed | accelerate |",
+        "| --- | --- | ---: | ---: | ---: | ---: | :---: | ---: | ---: |",
     ]
-    printed: list[str] = []
-    shares: list[str] = []
-    for name, cfg in MODELS.items():
-        with torch.device("meta"):
-            model = TinyTransformer(cfg)
+    notes = []
+    for name, (fields, gpus) in MODELS.items():
+        model = build_on_meta(hf_builder("llama", fields))
         n = sum(p.numel() for p in model.parameters())
-        zero2, zero3, text = deepspeed_figures(n, largest_layer_params(model))
-        head = f"{name} ({n:,} parameters, largest layer {largest_layer_params(model):,}):"
-        printed += [head, "", "```text", text.rstrip(), "```", ""]
+        largest = largest_layer_params(model)
+        ds = deepspeed_figures(n, largest, gpus)
         acc = accelerate_figures(model)
-        biggest = max(p.numel() for p in model.parameters())
-        shares.append(
-            f"{name}, largest tensor {biggest / 1e6:.1f}M against Ψ/N = {n / GPUS / 1e6:.1f}M"
+        notes.append(
+            f"Llama-3-{name}: {n:,} parameters, largest module {largest:,} (the embedding and the "
+            f"head), {gpus} GPUs; accelerate's model size {gb(acc['size_fp32'])} GB in fp32"
         )
-        rows = [
-            ("DDP, fp32", "ddp", "fp32", "–", acc["train_fp32"]),
-            ("DDP, mixed (bf16 + fp32 master)", "ddp", "mixed", "–", acc["train_bf16"]),
-            ("ZeRO-2 / ShardedDDP, mixed", "sharded_ddp", "mixed", gb(zero2), None),
-            ("ZeRO-3 / FSDP, mixed", "fsdp", "mixed", gb(zero3), None),
-        ]
-        for label, strategy, precision, deepspeed, accelerate in rows:
-            p = ours(model, cfg, strategy, precision)
-            out.append(
-                f"| {name} | {n / 1e6:.0f}M | {label} | {gb(p.state.total)} "
-                f"| {gb(p.state.total + p.transient)} | {gb(p.activations)} | {deepspeed} "
-                f"| {'–' if accelerate is None else gb(accelerate)} |"
+        block = type(model.model.layers[0])  # type: ignore[index, union-attr]
+        saved = {
+            precision: traced_activation_bytes(
+                model, 1, SEQ, precision=precision, activation_checkpointing=block
             )
-    out += [
-        "",
-        "## What each counts",
-        "",
-        "- **DeepSpeed** (`estimate_zero2/3_model_states_mem_needs`, no offload): model "
-        "states only, for its fp16/bf16 mixed-precision engine. ZeRO-2: `2Ψ` of 16-bit "
-        "parameters on every GPU plus `18Ψ/N` (16-bit and fp32 gradients, fp32 master "
-        "weights, two fp32 Adam moments). ZeRO-3: `18Ψ/N` plus `4 ×` the largest layer's "
-        "parameters (one module's own parameters gathered). No activations, no "
-        "communication buckets; the CPU column of its printout adds a 1.5 buffer factor.",
-        "- **accelerate** (`estimate-memory`): the size of the weights per dtype "
-        "(`calculate_maximum_sizes`, parameters and buffers), and for training a rule of "
-        "thumb on one device, no sharding: in fp32, model + gradients + two Adam moments, "
-        "shown as the largest entry of `estimate_training_usage`, i.e. `4 ×` the fp32 model "
-        "(16 bytes per parameter); in bf16/fp16, the largest of weights (4), gradients (6) and "
-        "optimizer (8 bytes per parameter), i.e. `8Ψ`: its entries are not added up. No "
-        "activations, no world size.",
-        "- **Ours** (`plan`): every kind of state of the catalog's strategy on each rank, "
-        "laid out as the engine does (whole-tensor optimizer shards, padded flat parameters, "
-        "Adam's 4-byte step per tensor), with ZeRO's byte counts for mixed precision (2-byte "
-        "parameters and gradients, 12 bytes of fp32 master weights and moments); plus the "
-        "transient buffer it knows (FSDP's gathered unit, DDP's 25 MiB bucket) and the "
-        "activations traced on fake tensors.",
-        "",
-        "## Where they differ, and why",
-        "",
-        "- ZeRO-2: DeepSpeed's formula has `4Ψ/N` more (an fp32 copy of the gradient shard "
-        "beside the 16-bit one, which ShardedDDP does not keep) but splits `Ψ` evenly, as "
-        "DeepSpeed's flat partitions do. OSS and ShardedDDP give whole tensors to ranks, and "
-        "the rank that owns the largest tensor holds at least that tensor's optimizer state "
-        f"and gradient: {'; '.join(shares)}. Where the largest tensor exceeds `Ψ/N` ours is "
-        "above DeepSpeed's; where the tensors are small against `Ψ/N` it is below.",
-        "- ZeRO-3: DeepSpeed shards `18Ψ/N` against our `16Ψ/N` (the same fp32 gradient "
-        "copy) and adds 4 bytes per parameter of the largest *module* (here the embedding or "
-        "the head); ours adds the largest FSDP *unit* gathered (a block or the root: 16-bit "
-        "parameters and gradients), which is what FSDP allocates at once.",
-        "- DDP fp32: accelerate's 16 bytes per parameter is ours without Adam's step counters "
-        "and buffers aside (it counts buffers; we count parameters only).",
-        "- DDP mixed: accelerate's bf16 figure is the largest of its entries (8 bytes per "
-        "parameter), not their sum; ours (ZeRO's 16 bytes per parameter) adds the 16-bit "
-        "weights and gradients to the fp32 master weights and moments.",
-        "- Neither tool counts activations, which at these sizes and a full sequence are of "
-        "the order of the sharded model state even with every block checkpointed.",
-        "",
-        "## DeepSpeed's printout (`_all_cold`, with the same counts)",
-        "",
-        *printed,
-    ]
+            for precision in ("fp32", "mixed")
+        }
+        for label, strategy, precision, ds_key, acc_key in ROWS:
+            p = ours(model, gpus, strategy, precision, saved[precision])
+            state = p.device_state
+            out.append(
+                f"| {name} | {label} | {gb(state)} | {gb(p.activations)} | {gb(p.transient)} "
+                f"| {gb(p.total)} | {'yes' if p.fits(GPU) else 'no'} "
+                f"| {gb(ds[ds_key]) if ds_key else '–'} | {gb(acc[acc_key]) if acc_key else '–'} |"
+            )
+    out += ["", "<!-- end table -->", "", *(f"- {note}" for note in notes)]
     RESULTS.write_text("\n".join(out).rstrip() + "\n", encoding="utf-8")
     print("\n".join(out))
     print(f"wrote {RESULTS}")
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
 
 
 if __name__ == "__main__":

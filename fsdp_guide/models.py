@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -271,8 +271,17 @@ def shard_batch(
     return x.to(device), y.to(device)
 
 
-def loss_fn(model: nn.Module, batch: Batch) -> Tensor:
-    """Cross-entropy for token models, mean squared error otherwise.
+def loss_fn(model: nn.Module, batch: tuple[Any, Tensor | None]) -> Tensor:
+    """Cross-entropy for token models, mean squared error otherwise; any model's own loss.
+
+    ``batch`` is ``(inputs, targets)``: inputs a tensor, a tuple (positional arguments) or a
+    dict (keyword arguments); targets ``None`` when labels are among the inputs. A
+    transformers ``ModelOutput`` gives its ``loss``, else its logits with cross-entropy
+    (:func:`fsdp_guide.outputs.model_loss` has the rules).
+
+    Raises:
+        PlanError: For an output with nothing to compute a loss from; the message says what
+            to pass.
 
     Examples:
         >>> model = build_model("mlp")
@@ -281,8 +290,6 @@ def loss_fn(model: nn.Module, batch: Batch) -> Tensor:
         >>> loss.item() > 0
         True
     """
-    x, y = batch
-    out = model(x)
-    if y.dtype == torch.long:
-        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    return F.mse_loss(out, y)
+    from fsdp_guide.outputs import model_loss
+
+    return model_loss(model, batch)

@@ -33,6 +33,8 @@ _SOURCES = (
     "fsdp_guide/comm/_predict.py",
     "fsdp_guide/catalog/_table.py",
     "fsdp_guide/models.py",
+    "fsdp_guide/inputs.py",
+    "fsdp_guide/outputs.py",
     "fsdp_guide/wrap/_activations.py",
 )
 

@@ -84,11 +84,19 @@ def count(text: str) -> float:
 
 
 def positive_size(text: str) -> int:
-    """A ``type=`` for a memory size such as ``80GB`` or ``24GiB``, in bytes, above zero.
+    """A ``type=`` for a memory size with its unit, such as ``80GB`` or ``24GiB``, in bytes.
+
+    A number alone is refused: ``80`` could be bytes or gigabytes, and read as bytes every
+    strategy would fail to fit. ``KB``/``MB``/``GB``/``TB`` are powers of 1000,
+    ``KiB``/``MiB``/``GiB``/``TiB`` powers of 1024, ``B`` bytes.
 
     Examples:
-        >>> positive_size("80GB")
-        80000000000
+        >>> positive_size("80GB"), positive_size("1.5 GiB")
+        (80000000000, 1610612736)
+        >>> positive_size("80")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: '80' has no unit; write e.g. 80GB (10^9 bytes) or 80GiB ...
         >>> positive_size("0GB")
         Traceback (most recent call last):
         ...
@@ -96,6 +104,11 @@ def positive_size(text: str) -> int:
     """
     from fsdp_guide.memory import parse_size
 
+    if not re.search(r"[A-Za-z]\s*$", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no unit; write e.g. 80GB (10^9 bytes) or 80GiB (2^30 bytes); "
+            "units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        )
     try:
         size = parse_size(text)
     except ValueError as exc:
@@ -103,6 +116,26 @@ def positive_size(text: str) -> int:
     if size <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
     return size
+
+
+def input_spec(text: str) -> object:
+    """A ``type=`` for a model input ``name:dtype[dims]`` (:func:`fsdp_guide.inputs.parse_input`).
+
+    Examples:
+        >>> str(input_spec("input_ids:int64[B,S]"))
+        'input_ids:int64[B,S]'
+        >>> input_spec("input_ids")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: cannot read 'input_ids' as an input; write name:dtype[dims], ...
+    """
+    from fsdp_guide.errors import PlanError
+    from fsdp_guide.inputs import parse_input
+
+    try:
+        return parse_input(text)
+    except PlanError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _strategies(text: str, cuda: bool | None, installed: bool = True) -> list[str]:

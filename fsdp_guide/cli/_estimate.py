@@ -12,6 +12,7 @@ from fsdp_guide.cli._args import (
     count,
     fraction,
     import_path,
+    input_spec,
     int_at_least,
     key_value,
     positive_size,
@@ -44,14 +45,38 @@ def add_parser(sub: Any) -> None:
         "--model",
         type=import_path,
         help="plan a real model, built by package.module:builder on the meta device "
-        "(activations traced, nothing allocated), e.g. fsdp_guide.models:TinyTransformer",
+        "(activations traced, nothing allocated), e.g. fsdp_guide.models:TinyTransformer; "
+        "the builder may return a transformers model",
+    )
+    what.add_argument(
+        "--hf",
+        metavar="TYPE",
+        help="plan a transformers model built from its config class, offline: a model type "
+        "(llama, gpt2, bert, t5, vit, ...) with its usual head, or a class name such as "
+        "LlamaForSequenceClassification; set config fields with --hf-arg",
+    )
+    p.add_argument(
+        "--hf-arg",
+        type=key_value,
+        action="append",
+        metavar="FIELD=VALUE",
+        help="config field of --hf (repeat it), e.g. hidden_size=8192",
+    )
+    p.add_argument(
+        "--input",
+        type=input_spec,
+        action="append",
+        metavar="NAME:DTYPE[DIMS]",
+        help="state an input of the model's forward (repeat it; replaces the batch read from "
+        "the model), e.g. input_ids:int64[B,S]; B is --batch-size, S --seq-len; a labels "
+        "input makes the model compute its own loss",
     )
     p.add_argument(
         "--build-timeout",
         type=seconds,
         default=120.0,
         metavar="SECONDS",
-        help="time allowed to import, build and trace the --model; default 120",
+        help="time allowed to import, build and trace the --model or --hf model; default 120",
     )
     p.add_argument(
         "--model-arg",
@@ -67,7 +92,7 @@ def add_parser(sub: Any) -> None:
         "--seq-len",
         type=int_at_least(1, MAX_TOKENS),
         default=None,
-        help="tokens per sample (model's)",
+        help="tokens per sample; default: the longest the model takes (512 without a limit)",
     )
     p.add_argument(
         "--strategy", type=catalog_names, default=None, help="strategies to plan; default all"
@@ -78,12 +103,17 @@ def add_parser(sub: Any) -> None:
         const="blocks",
         default=None,
         metavar="LAYER",
-        help="checkpoint each Block, or each module of package.module:Class",
+        help="checkpoint each block (the repeated layer of the model), or each module of "
+        "package.module:Class",
     )
     p.add_argument(
         "--margin", type=fraction, default=0.1, help="share of GPU memory kept free; default 0.1"
     )
-    p.add_argument("--json", action="store_true", help="one JSON object per strategy")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per strategy and rank; the batch used is said on stderr",
+    )
     p.add_argument(
         "--world-size",
         type=int_at_least(1, MAX_WORLD_SIZE),
@@ -101,7 +131,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--precision", choices=get_args(Precision), default="mixed")
     p.add_argument("--optimizer", choices=get_args(OptimizerName), default="adam")
     p.add_argument(
-        "--gpu-memory", type=positive_size, default=None, help="memory per GPU, e.g. 80GB"
+        "--gpu-memory",
+        type=positive_size,
+        default=None,
+        help="memory per GPU with its unit: 80GB (10^9 bytes) or 80GiB (2^30 bytes)",
     )
     p.set_defaults(func=_run)
 
@@ -135,7 +168,7 @@ def estimate_table(
         3      + parameters     fsdp, fsdp2, fairscale_fsdp, deepspeed_zero3  0.23 GB   0.23 GB ...
     """
     from fsdp_guide.compare import text_table
-    from fsdp_guide.memory import bytes_per_param, estimate_model_state, format_bytes
+    from fsdp_guide.memory import bytes_per_param, estimate_model_state
 
     per = bytes_per_param(precision, optimizer)  # type: ignore[arg-type]
     header = ["stage", "shards", "strategies", "params", "grads", "optimizer", "total"]
@@ -146,27 +179,52 @@ def estimate_table(
         names = _strategies_of_stage(stage)
         state = estimate_model_state(num_params, world_size, stage, precision, optimizer)  # type: ignore[arg-type]
         cells = [str(stage), shards, names]
-        cells += [format_bytes(b, "GB") for b in (state.params, state.grads, state.optimizer)]
-        cells.append(format_bytes(state.total, "GB"))
+        cells += [readable(b, "GB") for b in (state.params, state.grads, state.optimizer)]
+        cells.append(readable(state.total, "GB"))
         if gpu_memory is not None:
             cells.append("yes" if state.total <= gpu_memory else "no")
         rows.append(cells)
     title = (
-        f"{num_params / 1e9:.2f}B parameters on {world_size} ranks, {precision} precision, "
+        f"{_count(num_params)} parameters on {world_size} ranks, {precision} precision, "
         f"{optimizer}: {per.params} + {per.grads} + {per.optimizer} bytes per parameter"
     )
     return "\n".join([title, text_table(rows)])
 
 
+def readable(num_bytes: float, unit: str) -> str:
+    """``num_bytes`` in ``unit``, or in the unit that shows it when it is below 0.1 of it.
+
+    A column in GB would print a few megabytes as ``0.00 GB`` or ``0.01 GB``; those cells
+    switch to the unit that gives them three digits.
+
+    Examples:
+        >>> readable(2.5e9, "GB"), readable(12_000_000, "GB"), readable(0, "GB")
+        ('2.50 GB', '12.00 MB', '0.00 GB')
+    """
+    from fsdp_guide.memory import format_bytes
+
+    scale = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}.get(unit, 1)
+    if num_bytes and abs(num_bytes) < 0.1 * scale:
+        return format_bytes(num_bytes)
+    return format_bytes(num_bytes, unit)
+
+
+def _count(num_params: float) -> str:
+    """``7.50B``, ``350.00M`` or ``9,000``: a parameter count with the digits that matter."""
+    if num_params >= 1e9:
+        return f"{num_params / 1e9:.2f}B"
+    return f"{num_params / 1e6:.2f}M" if num_params >= 1e6 else f"{num_params:,.0f}"
+
+
 def _run(args: argparse.Namespace) -> int:
-    if args.model is None and args.tensor_parallel > 1:
+    if args.model is None and args.hf is None and args.tensor_parallel > 1:
         from fsdp_guide.errors import CommandError
 
         raise CommandError(
             "--tensor-parallel needs a real model (--model package.module:builder): the layers "
             "it cuts come from the model's tp_plan"
         )
-    if args.model is not None:
+    if args.model is not None or args.hf is not None:
         from fsdp_guide.cli._estimate_model import run_model
 
         return run_model(args)

@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import json
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -105,12 +106,24 @@ def time_limit(seconds: float, what: str) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, left, interval)
 
 
-def _checkpointing(value: str | None) -> Any:
-    """``None``, ``"blocks"``, or the Module class that ``package.module:Class`` names."""
+def _checkpointing(value: str | None, model: Any) -> Any:
+    """``None``, ``"blocks"`` (the model's repeated block), or ``package.module:Class``."""
     from torch import nn
 
-    if value is None or value == "blocks":
-        return value
+    from fsdp_guide.models import Block
+
+    if value is None:
+        return None
+    if value == "blocks":
+        if any(isinstance(m, Block) for m in model.modules()):
+            return "blocks"
+        block = repeated_block(model)
+        if block is None:
+            raise CommandError(
+                f"{type(model).__name__} has no repeated block to checkpoint; name its layer "
+                "class: --activation-checkpointing package.module:Class"
+            )
+        return block
     module_name, colon, name = value.partition(":")
     layer = getattr(_import(module_name), name, None) if colon else None
     if not (isinstance(layer, type) and issubclass(layer, nn.Module)):
@@ -121,29 +134,88 @@ def _checkpointing(value: str | None) -> Any:
     return layer
 
 
+def repeated_block(model: Any) -> type | None:
+    """The class of the layers a ``ModuleList`` of ``model`` repeats, the most parameters first.
+
+    The transformer block of a transformers model (``LlamaDecoderLayer``, ``T5Block``), or of
+    any model that keeps its layers in a ``ModuleList``; ``None`` when there is none.
+
+    Examples:
+        >>> from fsdp_guide.models import TinyTransformer
+        >>> repeated_block(TinyTransformer()).__name__
+        'Block'
+    """
+    from torch import nn
+
+    sizes: dict[type, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            for layer in module:
+                if type(layer) is type(module[0]):
+                    count = sum(p.numel() for p in layer.parameters())
+                    sizes[type(layer)] = sizes.get(type(layer), 0) + count
+    return max(sizes, key=lambda cls: sizes[cls]) if sizes else None
+
+
+def _source(args: argparse.Namespace) -> tuple[Callable[[], Any], str]:
+    """The model's builder and its name, from ``--model`` or ``--hf``."""
+    if args.hf is None:
+        if args.hf_arg:
+            raise CommandError("--hf-arg sets a config field of --hf; use --model-arg with --model")
+        return load_builder(args.model, dict(args.model_arg or [])), args.model
+    if args.model_arg:
+        raise CommandError("--model-arg is for --model's builder; use --hf-arg with --hf")
+    from fsdp_guide.hf import hf_builder
+
+    return hf_builder(args.hf, dict(args.hf_arg or [])), f"--hf {args.hf}"
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings about the config off while the model is built and traced."""
+    import logging
+    import os
+
+    # transformers sets its logger's level from this variable when it is first imported
+    # (inside the builder, say); the level is set too for when it was imported before.
+    saved = os.environ.get("TRANSFORMERS_VERBOSITY")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    logger = logging.getLogger("transformers")  # the parent of every transformers logger
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if saved is None:
+            del os.environ["TRANSFORMERS_VERBOSITY"]
+        else:
+            os.environ["TRANSFORMERS_VERBOSITY"] = saved
+
+
 def run_model(args: argparse.Namespace) -> int:
     """Plan ``args.model`` for each strategy; print a table (or JSON) and a recommendation."""
     from fsdp_guide.catalog import STRATEGIES
-    from fsdp_guide.errors import PlanError
+    from fsdp_guide.errors import MissingRequirementError, PlanError
+    from fsdp_guide.inputs import default_seq_len, example_batch
     from fsdp_guide.memory import Plan, build_on_meta, plan, traced_activation_bytes
     from fsdp_guide.models import MLP
 
     tp = getattr(args, "tensor_parallel", 1)
     names = args.strategy or (["fsdp2"] if tp > 1 else list(STRATEGIES))
     plans: list[Plan] = []
-    what = f"importing, building and tracing {args.model}"
+    what = f"importing, building and tracing {args.model or args.hf}"
     # Tracing imports some 800 modules on first use: done here, before the time limit, since
     # a limit that stopped an import half-way would leave this process with a broken module.
     traced_activation_bytes(build_on_meta(lambda: MLP(depth=1, hidden=2)), 1, 1)
     try:
         # The user's code (import, builder, forward) runs under the time limit.
-        with time_limit(args.build_timeout, what):
-            builder = load_builder(args.model, dict(args.model_arg or []))
-            checkpointing = _checkpointing(args.activation_checkpointing)
+        with time_limit(args.build_timeout, what), _quiet_transformers():
+            builder, label = _source(args)
             model = build_on_meta(builder)
-            config = getattr(model, "config", None)
-            seq_len = args.seq_len or getattr(config, "seq_len", 1)
-            batch = getattr(model, "example_batch", None)
+            checkpointing = _checkpointing(args.activation_checkpointing, model)
+            batch = example_batch(model, args.input or ())
+            seq_len = args.seq_len or (default_seq_len(model) if batch.uses_seq_len else 1)
             # One trace serves every strategy: the activations per rank do not depend on it
             # (with tensor parallelism, plan() traces the model as one rank cuts it).
             activations = None
@@ -154,7 +226,7 @@ def run_model(args: argparse.Namespace) -> int:
                     seq_len,
                     precision=args.precision,
                     activation_checkpointing=checkpointing,
-                    batch=batch,
+                    batch=batch.build,
                 )
         for name in names:
             plans.append(
@@ -169,11 +241,13 @@ def run_model(args: argparse.Namespace) -> int:
                     optimizer=args.optimizer,
                     activations=activations,
                     tensor_parallel=tp,
-                    batch=batch,
+                    batch=batch.build,
                 )
             )
-    except PlanError as exc:
+    except (PlanError, MissingRequirementError) as exc:
         raise CommandError(str(exc)) from exc
+    sizes = f"B={args.batch_size}" + (f", S={seq_len}" if batch.uses_seq_len else "")
+    used = f"model: {type(model).__name__} ({label}); batch per rank ({sizes}): {batch.description}"
     if args.json:
         rows = []
         for p in plans:
@@ -183,8 +257,10 @@ def run_model(args: argparse.Namespace) -> int:
                     row["fits"] = p.fits(args.gpu_memory, args.margin, rank=rank)
                 rows.append(row)
         print(json.dumps(rows, indent=1))
+        print(used, file=sys.stderr)  # stdout stays one JSON document
         return 0
     print(plan_table(plans, args.gpu_memory, args.margin))
+    print(used)
     return 0
 
 
@@ -203,12 +279,13 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
         >>> print(plan_table(plans, gpu_memory=2_600_000))
         142,088 parameters on 2 ranks, fp32 precision; bytes on the fullest rank
         strategy  params   grads    optimizer  activations  transient  total    comm/step  fits
-        ddp       0.57 MB  0.57 MB  1.14 MB    0.03 MB      0.57 MB    2.87 MB  0.57 MB    no
-        fsdp      0.28 MB  0.28 MB  0.57 MB    0.03 MB      1.14 MB    2.30 MB  1.14 MB    yes
-        fsdp2     0.28 MB  0.28 MB  0.57 MB    0.03 MB      1.14 MB    2.30 MB  1.14 MB    yes
+        ddp       0.57 MB  0.57 MB  1.14 MB    26.11 KB     0.57 MB    2.87 MB  0.57 MB    no
+        fsdp      0.28 MB  0.28 MB  0.57 MB    26.11 KB     1.14 MB    2.30 MB  1.14 MB    yes
+        fsdp2     0.28 MB  0.28 MB  0.57 MB    26.11 KB     1.14 MB    2.30 MB  1.14 MB    yes
         recommended: fsdp2 (fits 2.60 MB with 10% margin; maintained engines first,
         then the least communication)
     """
+    from fsdp_guide.cli._estimate import readable
     from fsdp_guide.compare import text_table
     from fsdp_guide.memory import format_bytes, recommend
 
@@ -222,7 +299,7 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
     for p in plans:
         state = (0, 0, 0) if p.cpu_offload else (p.state.params, p.state.grads, p.state.optimizer)
         values = (*state, p.activations, p.transient, p.total, p.communication.payload_bytes)
-        cells = [p.strategy, *(format_bytes(v, unit) for v in values)]
+        cells = [p.strategy, *(readable(v, unit) for v in values)]
         if gpu_memory is not None:
             cells.append("yes" if p.fits(gpu_memory, margin) else "no")
         rows.append(cells)

@@ -30,7 +30,9 @@ Checkpointing = None | Literal["blocks"] | type[nn.Module]
 #: How mixed precision computes in bf16: autocast (DDP's AMP) or bf16 parameters (FSDP, DeepSpeed).
 MixedPrecisionKind = Literal["autocast", "params"]
 #: Builds a ``(inputs, targets)`` batch of ``(batch_size, seq_len)``; run on fake tensors.
-BatchBuilder = Callable[[int, int], tuple[Tensor, Tensor]]
+#: Inputs: a tensor, a tuple (positional) or a dict (keyword arguments); targets ``None``
+#: when labels are among the inputs (:func:`fsdp_guide.inputs.example_batch`).
+BatchBuilder = Callable[[int, int], tuple[Any, Tensor | None]]
 
 
 _INT64_MAX = 2**63 - 1
@@ -109,31 +111,9 @@ def _to_fake(model: nn.Module, param_dtype: torch.dtype | None = None) -> None:
 
 
 def _default_batch(model: nn.Module) -> BatchBuilder:
-    from fsdp_guide.models import MLP, TinyTransformer
+    from fsdp_guide.inputs import example_batch
 
-    if isinstance(model, TinyTransformer):
-        longest = model.config.seq_len
-
-        def tokens(batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
-            if seq_len > longest:
-                raise PlanError(
-                    f"seq_len={seq_len} is longer than the model's position embedding "
-                    f"({longest}); build the model with TransformerConfig(seq_len={seq_len})"
-                )
-            ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
-            return ids, ids.clone()
-
-        return tokens
-    if isinstance(model, MLP):
-        linears = [m for m in model.net if isinstance(m, nn.Linear)]
-        return lambda b, _t: (
-            torch.zeros(b, linears[0].in_features),
-            torch.zeros(b, linears[-1].out_features),
-        )
-    raise PlanError(
-        f"no example batch known for {type(model).__name__}; pass batch=fn(batch_size, seq_len) "
-        "returning (inputs, targets)"
-    )
+    return example_batch(model).build
 
 
 #: Elements of a batch built with real values (a data loader's batch, a few MB at most);
@@ -219,7 +199,8 @@ def traced_activation_bytes(
         seq_len: Tokens per sample (ignored by models without sequences, such as the MLP).
         precision: ``"mixed"``: bfloat16 compute, as ``mixed`` says.
         activation_checkpointing: ``None``, ``"blocks"`` or a layer class to checkpoint.
-        batch: Builds ``(inputs, targets)``; known for the demo models.
+        batch: Builds ``(inputs, targets)``; by default read from the model
+            (:func:`fsdp_guide.inputs.example_batch`).
         mixed: How ``"mixed"`` computes in bfloat16. ``"autocast"``: under
             ``torch.autocast`` (DDP's AMP), which casts the weights for each op and keeps
             those bf16 copies for backward; ``"params"``: in bf16 parameters and inputs, as
@@ -272,8 +253,17 @@ def traced_activation_bytes(
                 inputs = (x, *rest)
             with autocast, _OnRealData():
                 nbytes, _ = saved_activation_bytes(traced, lambda: loss_fn(traced, inputs))
+        except PlanError:
+            raise
         except RuntimeError as exc:  # sizes past int64, data-dependent routing, ...
             raise PlanError(_cannot_trace(traced, exc)) from exc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # The model refused the example batch (a missing or unexpected input).
+            raise PlanError(
+                f"cannot trace the forward pass of {type(model).__name__} on the example batch: "
+                f"{type(exc).__name__}: {exc}; state its inputs with --input name:dtype[dims] "
+                "(Python: batch=)"
+            ) from exc
     return nbytes
 
 

@@ -39,6 +39,26 @@ def test_gpu_memory_tells_what_fits(
     assert [lines[s][-1] for s in "0123"] == fits
 
 
+def test_small_figures_print_in_a_unit_that_shows_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 1M parameters on 8 ranks: a GB column printed 0.00 GB for every sharded cell.
+    assert main(["estimate", "--params", "1M", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("1.00M parameters on 8 ranks")
+    assert _stage_lines(out)["3"][-8:] == [
+        "250.00",
+        "KB",
+        "250.00",
+        "KB",
+        "1.50",
+        "MB",
+        "2.00",
+        "MB",
+    ]
+    assert "0.00 GB" not in out and "0.01 GB" not in out
+
+
 def test_fp32_sgd(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["estimate", "--params", "1e9", "--world-size", "4", "--precision", "fp32"]
     assert main([*args, "--optimizer", "sgd_momentum"]) == 0
@@ -51,7 +71,7 @@ def test_fp32_sgd(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([], "one of the arguments --params --model is required"),
+        ([], "one of the arguments --params --model --hf is required"),
         (["--params", "0"], "argument --params: must be a positive count"),
         (["--params=-7e9"], "argument --params: must be a positive count"),
         (["--params", "lots"], "argument --params: must be a positive count"),
@@ -68,6 +88,9 @@ def test_fp32_sgd(capsys: pytest.CaptureFixture[str]) -> None:
         ),
         (["--params", "7e9", "--gpu-memory", "big"], "cannot read 'big' as a size"),
         (["--params", "7e9", "--gpu-memory", "0GB"], "argument --gpu-memory: must be positive"),
+        # A bare number used to be read as bytes, so nothing fitted; now it needs its unit.
+        (["--params", "7e9", "--gpu-memory", "80"], "'80' has no unit; write e.g. 80GB"),
+        (["--params", "7e9", "--gpu-memory", "8e10"], "'8e10' has no unit"),
         (["--params", "7e9", "--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
         (
             ["--params", "7e9", "--optimizer", "lamb"],

@@ -348,7 +348,7 @@ def _raises() -> nn.Module:
         (_raises, "the model builder raised RuntimeError: out of ideas"),
         (lambda: 3, "the model builder returned int, not an nn.Module"),
         (42, "model must be an nn.Module or a function"),
-        (lambda: nn.Linear(2, 2), "no example batch known for Linear"),
+        (lambda: nn.Bilinear(2, 2, 1), "Bilinear.forward takes 2 required inputs"),
         (lambda: nn.ReLU(), "ReLU has no parameters"),
     ],
 )
