@@ -57,6 +57,12 @@ def add_parser(sub: Any) -> None:
         action="store_false",
         help="do not count the collectives of the last step (the comm/step column)",
     )
+    p.add_argument(
+        "--wrap",
+        choices=("blocks", "root"),
+        default="blocks",
+        help="FSDP's units: a unit per transformer block (default), or the whole model one unit",
+    )
     p.add_argument("--plot", default=None, metavar="PATH", help="write a bar chart (PNG)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.set_defaults(func=_run)
@@ -111,7 +117,9 @@ def _run(args: argparse.Namespace) -> int:
             if path:
                 _check_output_path(option, path)
         # run_comparison checks everything else before it starts a process.
-        rows = run_comparison(names, world_size, args.model, steps, batch_size, comm=args.comm)
+        rows = run_comparison(
+            names, world_size, args.model, steps, batch_size, comm=args.comm, wrap=args.wrap
+        )
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
     except LaunchError as exc:

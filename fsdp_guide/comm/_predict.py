@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fsdp_guide.catalog import get_strategy
-from fsdp_guide.engines import detect, engine_for
+from fsdp_guide.engines import ModelShape, detect, engine_for
 from fsdp_guide.launcher import check_world_size
 
 _DTYPE_SIZES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp64": 8}
@@ -124,6 +124,7 @@ def predict_communication(
     world_size: int,
     dtype: torch.dtype | str = "fp32",
     root_unit_params: int = 0,
+    shape: ModelShape | None = None,
 ) -> CommPrediction:
     """Payload per collective kind that one rank issues in one training step, and ZeRO's figure.
 
@@ -167,6 +168,11 @@ def predict_communication(
         world_size: ``N``.
         dtype: What is communicated: a ``torch.dtype`` or ``"fp32"``, ``"fp16"``, ``"bf16"``.
         root_unit_params: ``R`` for the fully sharded strategies; ignored by the others.
+        shape: The model's units and buffers (:func:`fsdp_guide.engines.model_shape`), for
+            what ``Ψ`` alone cannot tell: the padding of FSDP's flat parameters and row
+            chunks and of DeepSpeed's partitions, and DDP's broadcast of the buffers before
+            each forward (BatchNorm statistics, position ids). It gives ``Ψ`` and ``R``:
+            ``num_params`` must equal its ``Ψ``, ``root_unit_params`` is not read.
 
     Returns:
         A :class:`CommPrediction`.
@@ -198,13 +204,20 @@ def predict_communication(
             f"root_unit_params must be between 0 and num_params={psi}, got {root_unit_params}"
         )
     size = _element_size(dtype)
+    if shape is not None and shape.num_params != psi:
+        raise ValueError(f"num_params={psi} but the shape has {shape.num_params} parameters")
     if strategy in _PAPER:  # the paper's own algorithm, no engine
         stage, name = int(strategy[-1]), strategy
         payload, groups = _PAPER[strategy](psi, world_size, root_unit_params)
     else:
         spec = get_strategy(strategy)
         stage, name = spec.zero_stage, spec.name
-        issued = engine_for(spec).collectives(psi, world_size, root_unit_params)
+        engine = engine_for(spec)
+        issued = (
+            engine.collectives(psi, world_size, root_unit_params)
+            if shape is None
+            else engine.step_collectives(shape, world_size)
+        )
         payload, groups = dict(issued.payload), dict(issued.groups)
     return CommPrediction(
         strategy=name,

@@ -20,7 +20,7 @@ import torch
 from fsdp_guide.catalog import check_strategies
 from fsdp_guide.comm import CommStats, count_collectives, predict_communication
 from fsdp_guide.compare._report import ComparisonRow
-from fsdp_guide.engines import engine_for, wrap_for_strategy
+from fsdp_guide.engines import engine_for, with_wrap, wrap_for_strategy
 from fsdp_guide.launcher import check_world_size, launch
 from fsdp_guide.memory import (
     ModelState,
@@ -81,6 +81,7 @@ def train_and_measure(
     steps: int = 3,
     batch_size: int = 8,
     count_comm: bool = True,
+    wrap: str = "blocks",
 ) -> RankMeasurement:
     """Train the demo model for ``steps`` steps under ``strategy``; measure this rank.
 
@@ -100,6 +101,7 @@ def train_and_measure(
         batch_size: Global batch size; must divide by ``world_size``.
         count_comm: Count the collectives of the last step
             (:func:`~fsdp_guide.comm.count_collectives`).
+        wrap: FSDP's units: ``"blocks"`` (a unit per transformer block) or ``"root"``.
 
     Returns:
         This rank's :class:`RankMeasurement`.
@@ -117,14 +119,14 @@ def train_and_measure(
         142088
     """
     torch.manual_seed(0)
-    engine = engine_for(strategy)
+    engine = with_wrap(engine_for(strategy), wrap)
     model = build_model(model_name)
     num_params = count_params(model)
     numels = tuple(p.numel() for p in model.parameters())
     with warnings.catch_warnings():
         # The wrappers warn about CPU devices and deprecations; the lesson is the numbers.
         warnings.simplefilter("ignore")
-        module, optimizer = wrap_for_strategy(model, strategy, world_size)
+        module, optimizer = wrap_for_strategy(model, strategy, world_size, wrap=wrap)
         device = next(module.parameters()).device
         times = []
         comm = None
@@ -173,6 +175,7 @@ def run_comparison(
     progress: Callable[[str], None] | None = _print_progress,
     timeout: float = 300.0,
     comm: bool = True,
+    wrap: str = "blocks",
 ) -> list[ComparisonRow]:
     """Launch :func:`train_and_measure` for each strategy; pair measurements with predictions.
 
@@ -186,6 +189,9 @@ def run_comparison(
         timeout: Seconds each run may take.
         comm: Count each rank's collectives in the last step and set them next to
             :func:`~fsdp_guide.comm.predict_communication`.
+        wrap: How the fully sharded strategies cut the model into units: ``"blocks"`` (a
+            unit per transformer block, as the planner assumes by default) or ``"root"``
+            (the whole model one unit).
 
     Returns:
         One :class:`~fsdp_guide.compare.ComparisonRow` per strategy and rank.
@@ -203,6 +209,7 @@ def run_comparison(
     specs = check_strategies(list(strategies))
     check_model_name(model_name)
     check_world_size(world_size)
+    with_wrap(engine_for("fsdp2"), wrap)  # refuses an unknown wrap before any process starts
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if batch_size < 1 or batch_size % world_size:
@@ -229,7 +236,7 @@ def run_comparison(
         results: list[RankMeasurement] = launch(
             train_and_measure,
             world_size,
-            args=(spec.name, model_name, steps, batch_size, comm),
+            args=(spec.name, model_name, steps, batch_size, comm, wrap),
             backend="nccl" if spec.needs_cuda else "gloo",
             timeout=timeout,
             start_method=method,

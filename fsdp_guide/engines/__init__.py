@@ -51,10 +51,22 @@ from fsdp_guide.engines._registry import (
     get_unit_engine,
     unit_engines,
     unit_of,
+    with_wrap,
     wrap_for_strategy,
 )
+from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
-from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
+from fsdp_guide.engines._units import (
+    UNIT_RULES,
+    UnitEngine,
+    UnitPolicy,
+    UnitRule,
+    UnitView,
+    block_classes,
+    model_shape,
+    unit_names,
+    unit_shapes,
+)
 from fsdp_guide.engines.ddp import DDP
 from fsdp_guide.engines.deepspeed import DeepSpeedZero, deepspeed_layout
 from fsdp_guide.engines.fairscale_fsdp import FairScaleFSDP
@@ -73,12 +85,14 @@ __all__ = [
     "GRAD_BUFFERS",
     "OSS",
     "PARAM_BUFFERS",
+    "UNIT_RULES",
     "Built",
     "Collectives",
     "DeepSpeedZero",
     "Engine",
     "FairScaleFSDP",
     "Layout",
+    "ModelShape",
     "Plain",
     "ShardedDDP",
     "StepPeak",
@@ -87,8 +101,10 @@ __all__ = [
     "Transient",
     "UnitEngine",
     "UnitPolicy",
+    "UnitRule",
     "UnitView",
     "Zero1",
+    "block_classes",
     "deepspeed_layout",
     "detect",
     "engine_class",
@@ -97,8 +113,12 @@ __all__ = [
     "get_unit_engine",
     "kept_fresh",
     "local_tensor",
+    "model_shape",
     "unit_engines",
+    "unit_names",
     "unit_of",
+    "unit_shapes",
+    "with_wrap",
     "without_state",
     "wrap_for_strategy",
 ]

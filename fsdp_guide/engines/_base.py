@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
 
 #: What :meth:`Engine.build` returns: the module to train and its optimizer. A DeepSpeed
@@ -137,6 +138,14 @@ class Engine(ABC):
     #: checkpoint), ``"name"`` (by parameter name already), ``"own"`` (the engine's own
     #: gathered form, which loads only into it).
     full_optimizer_keys: ClassVar[str] = "position"
+    #: Whether it broadcasts the model's buffers from rank 0 before each forward (DDP's
+    #: ``broadcast_buffers=True``, which every DDP-based engine here keeps).
+    broadcasts_buffers: ClassVar[bool] = False
+    #: How it runs a model in bf16 mixed precision: ``"autocast"`` (DDP and the optimizers
+    #: over it: ``torch.autocast``, which keeps bf16 copies of the weights for backward) or
+    #: ``"params"`` (FSDP's ``MixedPrecision``, FSDP2's ``MixedPrecisionPolicy``, DeepSpeed's
+    #: ``bf16``: the parameters themselves are cast, the forward's inputs too).
+    mixed_precision: ClassVar[str] = "autocast"
 
     @classmethod
     @abstractmethod
@@ -191,6 +200,13 @@ class Engine(ABC):
             One :class:`Layout` per rank, or ``None`` where the layout is not known (the
             caller falls back to the ZeRO formula).
         """
+
+    def shape_layout(
+        self, shape: ModelShape, world_size: int, *, fp32_adam: bool = True
+    ) -> tuple[Layout, ...] | None:
+        """:meth:`layout` of a model cut into units (an engine whose layout depends on its
+        units, FSDP1's flat parameter per unit, reads them)."""
+        return self.layout(shape.shapes, world_size, fp32_adam=fp32_adam)
 
     def own_formula(self, param_numels: Sequence[int], world_size: int) -> Layout | None:
         """The engine's own formula where the ZeRO formula's layout does not apply, else None.
@@ -256,6 +272,21 @@ class Engine(ABC):
             root_unit_params: Parameters of a fully sharded model's root unit, which is
                 gathered once per step, not twice (ignored by the other engines).
         """
+
+    def step_collectives(self, shape: ModelShape, world_size: int) -> Collectives:
+        """What one rank issues in one training step of a model of this ``shape``.
+
+        :meth:`collectives` of its ``Ψ`` and root unit, plus the broadcast of the buffers
+        for an engine that :attr:`broadcasts_buffers` (on more than one rank); an engine
+        that pads (FSDP's flat parameters and row chunks, DeepSpeed's partitions) counts
+        the padding here.
+        """
+        issued = self.collectives(shape.num_params, world_size, shape.root_params)
+        if not (self.broadcasts_buffers and shape.buffers and world_size > 1):
+            return issued
+        payload = dict(issued.payload)
+        payload["broadcast"] = payload.get("broadcast", 0) + shape.buffers
+        return Collectives(payload=payload, groups=issued.groups)
 
     def root_unit_params(self, module: nn.Module) -> int:
         """Parameters of the root unit of a module this engine wrapped; 0 without units."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from fsdp_guide.catalog import StrategySpec, check_strategies, get_strategy
 from fsdp_guide.engines._base import Built, Engine
-from fsdp_guide.engines._units import UnitEngine, UnitView
+from fsdp_guide.engines._units import UNIT_RULES, UnitEngine, UnitView
 from fsdp_guide.engines.ddp import DDP
 from fsdp_guide.engines.deepspeed import DeepSpeedZero
 from fsdp_guide.engines.fairscale_fsdp import FairScaleFSDP
@@ -157,7 +159,9 @@ def unit_of(module: nn.Module) -> tuple[str, UnitView] | None:
     return None
 
 
-def wrap_for_strategy(model: nn.Module, strategy: str, world_size: int, lr: float = 1e-3) -> Built:
+def wrap_for_strategy(
+    model: nn.Module, strategy: str, world_size: int, lr: float = 1e-3, wrap: str = "blocks"
+) -> Built:
     """Wrap ``model`` for ``strategy`` and build its Adam optimizer, inside a launched rank.
 
     The process group must be up (:func:`fsdp_guide.launch` does that). On NCCL the model
@@ -168,12 +172,15 @@ def wrap_for_strategy(model: nn.Module, strategy: str, world_size: int, lr: floa
         strategy: A name (or alias) from :data:`fsdp_guide.catalog.STRATEGIES`.
         world_size: Number of ranks.
         lr: Adam's learning rate.
+        wrap: How a fully sharded strategy cuts the model into units: ``"blocks"`` (a unit
+            per transformer block, :func:`~fsdp_guide.engines.block_classes`) or ``"root"``
+            (the whole model one unit); the other strategies have no units.
 
     Returns:
         The module to train and its optimizer.
 
     Raises:
-        ValueError: For an unknown strategy, or a CUDA-only one without CUDA.
+        ValueError: For an unknown strategy or wrap, or a CUDA-only one without CUDA.
 
     Examples:
         >>> wrap_for_strategy(nn.Linear(2, 2), "zero4", 1)
@@ -184,5 +191,24 @@ def wrap_for_strategy(model: nn.Module, strategy: str, world_size: int, lr: floa
     from fsdp_guide.launcher import rank_device
 
     (spec,) = check_strategies([strategy])
+    engine = with_wrap(engine_for(spec), wrap)
     device = torch.device("cuda", torch.cuda.current_device()) if spec.needs_cuda else rank_device()
-    return engine_for(spec).build(model.to(device), device=device, world_size=world_size, lr=lr)
+    return engine.build(model.to(device), device=device, world_size=world_size, lr=lr)
+
+
+def with_wrap(engine: Engine, wrap: str) -> Engine:
+    """``engine`` cutting a model into units by ``wrap`` (``"blocks"`` or ``"root"``), where it
+    makes units (FSDP1, FSDP2); any other engine unchanged.
+
+    Raises:
+        ValueError: For another ``wrap``.
+
+    Examples:
+        >>> with_wrap(FSDP2(), "root").wrap, with_wrap(DDP(), "root")
+        ('root', DDP())
+    """
+    if wrap not in UNIT_RULES:
+        raise ValueError(f"unknown wrap {wrap!r}; choose one of {', '.join(UNIT_RULES)}")
+    if isinstance(engine, FSDP1 | FSDP2):
+        return replace(engine, wrap=wrap)  # type: ignore[arg-type]
+    return engine

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from torch import nn
 
 from fsdp_guide.engines._base import Engine
+from fsdp_guide.engines._shape import ModelShape
 
 
 class UnitPolicy(Protocol):
@@ -88,3 +89,134 @@ class UnitEngine(Engine):
     @abstractmethod
     def unit(cls, module: nn.Module) -> UnitView | None:
         """What ``module`` wraps, if it is a unit of this engine; else ``None``."""
+
+
+#: How a model is cut into units: a unit per transformer block (:func:`block_classes`), or
+#: the whole model one unit.
+UnitRule = Literal["blocks", "root"]
+UNIT_RULES: tuple[str, ...] = ("blocks", "root")
+
+
+def block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The classes of ``model``'s transformer blocks: the modules that each become a unit.
+
+    What users wrap: the classes transformers lists in a model's ``_no_split_modules`` (what
+    its authors say must stay in one piece, and what accelerate and the ``Trainer`` wrap),
+    else the class of the children of each outermost ``ModuleList`` whose children all share
+    one class (the ``layers``/``blocks``/``h`` list of a model written by hand). Empty when
+    neither is there: the model is then one unit.
+
+    Examples:
+        >>> from fsdp_guide.models import MLP, TinyTransformer, TransformerConfig
+        >>> block_classes(TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2)))
+        (<class 'fsdp_guide.models.Block'>,)
+        >>> block_classes(MLP())
+        ()
+    """
+    names: set[str] = set()
+    for module in model.modules():
+        declared = getattr(module, "_no_split_modules", None)
+        if isinstance(declared, list | tuple | set):
+            names.update(str(name) for name in declared)
+    found = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if found:
+        return tuple(sorted(found, key=lambda cls: cls.__name__))
+    repeated: dict[type[nn.Module], None] = {}
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            kinds = {type(c) for c in child.children()} if isinstance(child, nn.ModuleList) else ()
+            if len(kinds) == 1:
+                repeated.setdefault(next(iter(kinds)))
+            else:
+                visit(child)
+
+    visit(model)
+    return tuple(repeated)
+
+
+def unit_names(model: nn.Module, rule: UnitRule | UnitPolicy = "blocks") -> list[str]:
+    """Qualified names of the modules ``rule`` makes units besides the root, children first.
+
+    Args:
+        model: The unwrapped model.
+        rule: ``"blocks"`` (:func:`block_classes`), ``"root"`` (none: the whole model one
+            unit), or a policy with a ``select(model)`` method (a
+            :class:`fsdp_guide.wrap.WrapPolicy`).
+
+    Raises:
+        ValueError: For another rule.
+
+    Examples:
+        >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
+        >>> model = TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2))
+        >>> unit_names(model), unit_names(model, "root")
+        (['blocks.0', 'blocks.1'], [])
+    """
+    if not isinstance(rule, str):
+        if not callable(getattr(rule, "select", None)):
+            raise ValueError(
+                f"a wrap policy must be 'blocks', 'root' or a WrapPolicy, got {rule!r}"
+            )
+        return list(rule.select(model))
+    if rule not in UNIT_RULES:
+        raise ValueError(f"unknown wrap rule {rule!r}; choose 'blocks', 'root' or a WrapPolicy")
+    classes = block_classes(model) if rule == "blocks" else ()
+    names: list[str] = []
+    # How many modules use each parameter: a block sharing one with a module outside it
+    # (tied embeddings) stays in its parent's unit, as FSDP needs a shared parameter in one.
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+
+    def shared_outside(module: nn.Module) -> bool:
+        inside: dict[int, int] = {}
+        for sub in module.modules():
+            for p in sub.parameters(recurse=False):
+                inside[id(p)] = inside.get(id(p), 0) + 1
+        return any(users[key] > count for key, count in inside.items())
+
+    def visit(module: nn.Module, name: str) -> None:
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name)
+        if name and classes and isinstance(module, classes) and not shared_outside(module):
+            names.append(name)
+
+    visit(model, "")
+    return names
+
+
+def unit_shapes(model: nn.Module, names: Sequence[str]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The shapes of each unit's own parameters, the root first, then ``names`` in order.
+
+    A parameter belongs to the innermost unit that holds it (``names`` lists children before
+    parents); a parameter shared by two modules (tied embeddings) is counted once, where
+    ``model.parameters()`` first meets it.
+
+    Examples:
+        >>> model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+        >>> unit_shapes(model, ["1"])
+        (((3, 2), (3,)), ((1, 3), (1,)))
+    """
+    owner: dict[int, int] = {}
+    for index, name in enumerate(names, start=1):
+        for p in model.get_submodule(name).parameters():
+            owner.setdefault(id(p), index)
+    units: list[list[tuple[int, ...]]] = [[] for _ in range(len(names) + 1)]
+    for p in model.parameters():
+        units[owner.get(id(p), 0)].append(tuple(p.shape))
+    return tuple(tuple(unit) for unit in units)
+
+
+def model_shape(model: nn.Module, rule: UnitRule | UnitPolicy = "blocks") -> ModelShape:
+    """The :class:`~fsdp_guide.engines.ModelShape` of ``model`` cut into units by ``rule``.
+
+    Examples:
+        >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
+        >>> shape = model_shape(TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2)))
+        >>> len(shape.units), shape.root_params, shape.buffers
+        (3, 17472, 0)
+    """
+    units = unit_shapes(model, unit_names(model, rule))
+    return ModelShape(units=units, buffers=sum(b.numel() for b in model.buffers()))

@@ -43,6 +43,7 @@ class DDP(Engine):
     name = "ddp"
     title = "PyTorch DDP"
     loads_dcp = True
+    broadcasts_buffers = True
 
     @classmethod
     def recognises(cls, model: nn.Module, optimizer: object) -> bool:

@@ -41,6 +41,7 @@ from fsdp_guide.engines._deepspeed_state import (
     is_deepspeed_engine,
     zero_stage_of,
 )
+from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
 from fsdp_guide.launcher import check_world_size
 
@@ -129,6 +130,7 @@ class DeepSpeedZero(Engine):
 
     name = "deepspeed"
     title = "DeepSpeed"
+    mixed_precision = "params"
     sharded_layout = "deepspeed"  # DeepSpeed's own files, by engine.save_checkpoint
     saves_full = False
     stage: int
@@ -237,6 +239,19 @@ class DeepSpeedZero(Engine):
             return Collectives(payload={"all_reduce": num_params})
         padded = -(-num_params // (2 * world_size)) * 2 * world_size
         return Collectives(payload={"all_reduce": num_params + 1, "all_gather": padded})
+
+    def step_collectives(self, shape: ModelShape, world_size: int) -> Collectives:
+        """ZeRO-3 pads each tensor to a multiple of the ranks.
+
+        Examples:
+            >>> shape = ModelShape(units=(((3,), (4,)),))
+            >>> DeepSpeedZero(stage=3).step_collectives(shape, 2).payload
+            {'reduce_scatter': 8, 'all_gather': 8, 'all_reduce': 1}
+        """
+        if self.stage != 3:
+            return super().step_collectives(shape, world_size)
+        padded = sum(-(-math.prod(s) // world_size) * world_size for s in shape.shapes)
+        return self.collectives(padded, world_size)
 
     def optimizer_of(self, module: nn.Module, optimizer: object) -> Any:
         return engine_optimizer(module, optimizer) if is_deepspeed_engine(module) else optimizer

@@ -65,6 +65,7 @@ class FairScaleFSDP(UnitEngine):
 
     name = "fairscale_fsdp"
     title = "FairScale FSDP"
+    mixed_precision = "params"
     maintenance = 2
     sharded_layout = "rank_files"  # its local state dicts, loadable at the same world size
     full_optimizer_keys = "own"  # its gathered optimizer state, keyed by position

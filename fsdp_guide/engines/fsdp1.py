@@ -36,8 +36,16 @@ from fsdp_guide.engines._base import (
     replicated,
 )
 from fsdp_guide.engines._checkpoint import TorchStateDict
+from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
-from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
+from fsdp_guide.engines._units import (
+    UNIT_RULES,
+    UnitEngine,
+    UnitPolicy,
+    UnitRule,
+    UnitView,
+    unit_names,
+)
 
 __all__ = ["FSDP1"]
 
@@ -53,12 +61,15 @@ def _fsdp1_class() -> type[nn.Module]:
 
 @dataclass(frozen=True, kw_only=True)
 class FSDP1(TorchStateDict, UnitEngine):
-    """PyTorch FSDP1 with Adam, the whole model one unit when built for a strategy.
+    """PyTorch FSDP1 with Adam, a unit per transformer block when built for a strategy.
 
     Attributes:
         sharding_strategy: A ``torch.distributed.fsdp.ShardingStrategy`` name.
         shard_group: Ranks per shard group, for ``HYBRID_SHARD`` only (when the world
             divides by it; else one group of every rank).
+        wrap: ``"blocks"``: a unit per transformer block
+            (:func:`~fsdp_guide.engines.block_classes`), then the root; ``"root"``: the
+            whole model one unit.
         backward_prefetch: ``"BACKWARD_PRE"`` (the default: gather the next unit before the
             current one computes its gradients), ``"BACKWARD_POST"`` (after), or ``None``
             (no prefetch in backward).
@@ -70,6 +81,7 @@ class FSDP1(TorchStateDict, UnitEngine):
     name = "fsdp1"
     title = "PyTorch FSDP1 (FullyShardedDataParallel)"
     maintenance = 1
+    mixed_precision = "params"
     aliases = ("torch",)  # shard()'s name for it before the catalog named every engine
     # On the FlatParameter: its shard, a low-precision copy of the shard, the padded
     # gathered parameter (FlatParamHandle.init_flat_param_attributes); gradient shards.
@@ -87,6 +99,7 @@ class FSDP1(TorchStateDict, UnitEngine):
 
     sharding_strategy: ShardingStrategyName = "FULL_SHARD"
     shard_group: int | None = None
+    wrap: UnitRule = "blocks"
     backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] | None = "BACKWARD_PRE"
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
@@ -103,6 +116,8 @@ class FSDP1(TorchStateDict, UnitEngine):
                 "shard_group is the size of HYBRID_SHARD's groups: give it with "
                 f"sharding_strategy='HYBRID_SHARD' and only then, got {self!r}"
             )
+        if self.wrap not in UNIT_RULES:
+            raise ValueError(f"unknown wrap {self.wrap!r}; choose one of {', '.join(UNIT_RULES)}")
         if self.shard_group is not None and (
             isinstance(self.shard_group, bool) or self.shard_group < 1
         ):
@@ -134,6 +149,14 @@ class FSDP1(TorchStateDict, UnitEngine):
             kwargs["device_mesh"] = init_device_mesh(
                 device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard")
             )
+        names = set(unit_names(model, self.wrap))
+        if names:  # the modules of those names, as FSDP1 walks the model
+
+            def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+                return recurse or id(module) in chosen
+
+            chosen = {id(model.get_submodule(name)) for name in names}
+            kwargs["auto_wrap_policy"] = policy
         module = _fsdp1_class()(
             model,
             device_id=device,
@@ -169,6 +192,24 @@ class FSDP1(TorchStateDict, UnitEngine):
         group = self.shard_group_size(world_size)
         flat = math.ceil(total / group) if self.stage_at_step >= 3 else total
         return replicated(world_size, Layout(params=flat, grads=flat, optimizer=flat, steps=1))
+
+    def shape_layout(
+        self, shape: ModelShape, world_size: int, *, fp32_adam: bool = True
+    ) -> tuple[Layout, ...] | None:
+        """A flat parameter per unit with parameters, each padded and cut on its own.
+
+        Examples:
+            >>> shape = ModelShape(units=(((3,),), ((5,),), ((5,),)))
+            >>> FSDP1().shape_layout(shape, 2)[0]  # flat params of 4, 6 and 6: chunks 2+3+3
+            Layout(params=8, grads=8, optimizer=8, steps=3, master=0, buckets=0)
+        """
+        sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
+        sizes = [size for size in sizes if size]  # a unit without parameters has none
+        # NO_SHARD keeps each unit's flat parameter whole: no padding, a step per unit.
+        group = self.shard_group_size(world_size) if self.stage_at_step >= 3 else 1
+        flat = sum(-(-size // group) for size in sizes)
+        one = Layout(params=flat, grads=flat, optimizer=flat, steps=len(sizes))
+        return replicated(world_size, one)
 
     def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
         """The peak of a step with a unit per block (``shard(model, policy=LayerPolicy(Block))``).
@@ -251,6 +292,24 @@ class FSDP1(TorchStateDict, UnitEngine):
             payload={**sharded.payload, "all_reduce": num_params // shard},
             groups={**sharded.groups, "all_reduce": world_size // shard},
         )
+
+    def step_collectives(self, shape: ModelShape, world_size: int) -> Collectives:
+        """Each unit's flat parameter padded to a multiple of the shard group.
+
+        Examples:
+            >>> shape = ModelShape(units=(((3,),), ((5,),), ((5,),)))  # a root and 2 units
+            >>> FSDP1().step_collectives(shape, 2).payload  # flat params of 4, 6 and 6
+            {'reduce_scatter': 16, 'all_gather': 28}
+        """
+        if self.sharding_strategy == "NO_SHARD":
+            return super().step_collectives(shape, world_size)
+        group = self.shard_group_size(world_size)
+        flat = [-(-sum(math.prod(s) for s in unit) // group) * group for unit in shape.units]
+        padded = self.collectives(sum(flat), world_size, flat[0] if flat else 0)
+        if not self.hybrid:
+            return padded
+        payload = {**padded.payload, "all_reduce": sum(flat) // group}
+        return Collectives(payload=payload, groups=padded.groups)
 
     def root_unit_params(self, module: nn.Module) -> int:
         if not isinstance(module, _fsdp1_class()):

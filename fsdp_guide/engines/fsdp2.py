@@ -39,8 +39,16 @@ from fsdp_guide.engines._base import (
     fully_sharded,
 )
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
+from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
-from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
+from fsdp_guide.engines._units import (
+    UNIT_RULES,
+    UnitEngine,
+    UnitPolicy,
+    UnitRule,
+    UnitView,
+    unit_names,
+)
 
 __all__ = ["FSDP2", "local_tensor", "rows_per_shard"]
 
@@ -107,6 +115,8 @@ class FSDP2(TorchStateDict, UnitEngine):
     """PyTorch FSDP2 with Adam: ``fully_shard`` on each transformer block, then the root.
 
     Attributes:
+        wrap: ``"blocks"``: a unit per transformer block
+            (:func:`~fsdp_guide.engines.block_classes`); ``"root"``: the whole model one unit.
         shard_group: Ranks per shard group on a 2-D ``(replicate, shard)`` mesh (HSDP), when
             the world divides by it; ``None`` to shard over every rank (a 1-D mesh).
         reshard_after_forward: ``fully_shard``'s setting for the blocks: ``True`` frees each
@@ -123,14 +133,18 @@ class FSDP2(TorchStateDict, UnitEngine):
     name = "fsdp2"
     title = "PyTorch FSDP2 (fully_shard)"
     shards_in_place = True
+    mixed_precision = "params"
     sharded_layout = "dcp"
     loads_dcp = True
     full_optimizer_keys = "name"
 
     shard_group: int | None = None
+    wrap: UnitRule = "blocks"
     reshard_after_forward: bool | int = True
 
     def __post_init__(self) -> None:
+        if self.wrap not in UNIT_RULES:
+            raise ValueError(f"unknown wrap {self.wrap!r}; choose one of {', '.join(UNIT_RULES)}")
         group = self.shard_group
         if group is not None and (
             isinstance(group, bool) or not isinstance(group, int) or group < 1
@@ -165,8 +179,9 @@ class FSDP2(TorchStateDict, UnitEngine):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.mesh(device, world_size)
-        for layer in getattr(model, "blocks", []):  # one unit per transformer block
-            fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        for name in unit_names(model, self.wrap):  # children before parents
+            block = model.get_submodule(name)
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         fully_shard(model, mesh=mesh)
         return model, adam(model.parameters(), lr)
 
@@ -242,6 +257,22 @@ class FSDP2(TorchStateDict, UnitEngine):
             payload={**sharded.payload, "all_reduce": math.ceil(num_params / shard)},
             groups={**sharded.groups, "all_reduce": world_size // shard},
         )
+
+    def step_collectives(self, shape: ModelShape, world_size: int) -> Collectives:
+        """Each parameter padded to whole row chunks of the shard group.
+
+        Examples:
+            >>> shape = ModelShape(units=(((3,),), ((5, 2),)))  # 3 rows, then 5 rows of 2
+            >>> FSDP2().step_collectives(shape, 2).payload  # padded to 4 elements and 6 rows of 2
+            {'reduce_scatter': 16, 'all_gather': 28}
+        """
+        group = self.shard_group_size(world_size)
+        padded = [rows_per_shard(unit, group)[0] * group for unit in shape.units]
+        issued = self.collectives(sum(padded), world_size, padded[0] if padded else 0)
+        if self.shard_group is None:
+            return issued
+        payload = {**issued.payload, "all_reduce": sum(padded) // group}
+        return Collectives(payload=payload, groups=issued.groups)
 
     def root_unit_params(self, module: nn.Module) -> int:
         fsdp_module = _fsdp_module()

@@ -37,6 +37,7 @@ class ShardedDDP(Engine):
 
     name = "sharded_ddp"
     title = "FairScale ShardedDDP"
+    broadcasts_buffers = True  # ShardedDataParallel(broadcast_buffers=True), its default
     maintenance = 2
     reduce_buffer_size: int = 0
 

@@ -31,7 +31,14 @@ from torch import nn
 
 from fsdp_guide.catalog import get_strategy
 from fsdp_guide.comm import CommPrediction, predict_communication
-from fsdp_guide.engines import StepSizes, engine_for
+from fsdp_guide.engines import (
+    ModelShape,
+    StepSizes,
+    UnitPolicy,
+    UnitRule,
+    engine_for,
+    model_shape,
+)
 from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher import check_world_size
 from fsdp_guide.memory._predict import state_per_rank
@@ -175,24 +182,25 @@ class Plan:
         }
 
 
-def unit_params(model: nn.Module) -> tuple[int, int]:
-    """(largest unit, root unit) parameters when each element of a ``ModuleList`` is a unit.
+def unit_params(model: nn.Module, policy: UnitRule | UnitPolicy = "blocks") -> tuple[int, int]:
+    """(largest unit, root unit) parameters of ``model`` cut into units by ``policy``.
 
-    That is how FSDP is wrapped for large models (a unit per transformer block); the root
-    unit holds every parameter outside the blocks (embeddings, final norm, head).
+    ``"blocks"`` is how FSDP is wrapped for large models, and how the catalog's FSDP
+    strategies wrap: a unit per transformer block (:func:`fsdp_guide.engines.block_classes`);
+    the root unit holds every parameter outside the blocks (embeddings, final norm, head).
 
     Examples:
         >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
-        >>> unit_params(TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2)))
-        (17472, 17472)
+        >>> model = TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2))
+        >>> unit_params(model), unit_params(model, "root")
+        ((17472, 17472), (42880, 42880))
     """
-    units: list[nn.Module] = [
-        layer for m in model.modules() if isinstance(m, nn.ModuleList) for layer in m
-    ]
-    inside = {id(p) for unit in units for p in unit.parameters()}
-    root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
-    largest = max([root, *(sum(p.numel() for p in unit.parameters()) for unit in units)])
-    return largest, root
+    return _unit_sizes(model_shape(model, policy))
+
+
+def _unit_sizes(shape: ModelShape) -> tuple[int, int]:
+    sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
+    return max(sizes), sizes[0]
 
 
 def plan(
@@ -208,6 +216,7 @@ def plan(
     batch: BatchBuilder | None = None,
     optimizer: OptimizerName = "adam",
     activations: int | None = None,
+    policy: UnitRule | UnitPolicy = "blocks",
     tensor_parallel: int = 1,
     tp_plan: Mapping[str, str] | None = None,
     settings: Mapping[str, Any] | None = None,
@@ -229,6 +238,12 @@ def plan(
         activations: Bytes already traced by :func:`traced_activation_bytes` for this model,
             batch, precision and checkpointing: the trace is skipped (planning one model
             for many strategies traces it once).
+        policy: How a fully sharded strategy cuts the model into units: ``"blocks"`` (a
+            unit per transformer block: the classes of transformers' ``_no_split_modules``,
+            else the repeated children of a ``ModuleList``; what the catalog's FSDP
+            strategies do), ``"root"`` (the whole model one unit) or a
+            :class:`fsdp_guide.wrap.WrapPolicy`. It decides FSDP1's padding, the largest
+            gathered unit and what is gathered twice.
         tensor_parallel: Ranks per tensor-parallel group, ``t``: the ranks form a
             ``(world_size // t, t)`` mesh, tensor parallelism cuts the layers of ``tp_plan``
             over its second dimension and the strategy (``"fsdp2"`` only) shards over the
@@ -300,9 +315,12 @@ def plan(
         tp_elements = tp_all_reduce_elements(model, cut, batch_size, seq_len)
         model = local_model(model, tp, cut)
     dp = world_size // tp
-    shapes = [tuple(p.shape) for p in model.parameters()]
-    local_params = sum(math.prod(shape) for shape in shapes)
-    dp_ranks, exact = state_per_rank(engine, shapes, dp, precision, optimizer)
+    try:
+        shape = model_shape(model, policy)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+    local_params = shape.num_params
+    dp_ranks, exact = state_per_rank(engine, shape, dp, precision, optimizer)
     ranks = tuple(dp_ranks[r // tp] for r in range(world_size))  # the mesh is row-major
     state = max(ranks, key=lambda s: s.total)  # the first of the fullest
     if activations is not None:
@@ -316,13 +334,14 @@ def plan(
             precision=precision,
             activation_checkpointing=activation_checkpointing,
             batch=batch,
+            mixed="params" if engine.mixed_precision == "params" else "autocast",
         )
-    largest, root = unit_params(model)
+    largest, root = _unit_sizes(shape)
     transient = engine.transient(
         param_bytes=per.params, grad_bytes=per.grads, num_params=local_params, largest_unit=largest
     )
     dtype = "bf16" if precision == "mixed" else "fp32"
-    communication = predict_communication(spec.name, local_params, dp, dtype, root)
+    communication = predict_communication(spec.name, local_params, dp, dtype, shape=shape)
     if tp > 1:
         communication = replace(
             communication,

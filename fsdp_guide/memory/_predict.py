@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 
 from fsdp_guide.catalog import StrategySpec
-from fsdp_guide.engines import Engine, Layout, deepspeed_layout, engine_for
+from fsdp_guide.engines import Engine, Layout, ModelShape, deepspeed_layout, engine_for
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._zero import (
     BytesPerParam,
@@ -105,7 +105,7 @@ def predict_model_state(
 
 def state_per_rank(
     strategy: str | StrategySpec | Engine,
-    shapes: Sequence[Sequence[int]],
+    shapes: Sequence[Sequence[int]] | ModelShape,
     world_size: int,
     precision: Precision = "fp32",
     optimizer: OptimizerName = "adam",
@@ -114,7 +114,9 @@ def state_per_rank(
 
     Args:
         strategy: A strategy's name or spec, or an engine.
-        shapes: The shape of each parameter, in ``model.parameters()`` order.
+        shapes: The shape of each parameter, in ``model.parameters()`` order, or the
+            model's units (:func:`fsdp_guide.engines.model_shape`): FSDP1 pads a flat
+            parameter per unit.
         world_size: Ranks.
         precision: ``"fp32"`` or ``"mixed"``: bytes per element of each kind of state
             (:func:`~fsdp_guide.memory.bytes_per_param`). Only fp32 is measured here;
@@ -140,7 +142,11 @@ def state_per_rank(
     per = bytes_per_param(precision, optimizer)
     step = _STEP_BYTES[optimizer]
     fp32_adam = (precision, optimizer) == ("fp32", "adam")
-    layouts = engine.layout(shapes, world_size, fp32_adam=fp32_adam)
+    if isinstance(shapes, ModelShape):
+        layouts = engine.shape_layout(shapes, world_size, fp32_adam=fp32_adam)
+        shapes = shapes.shapes
+    else:
+        layouts = engine.layout(shapes, world_size, fp32_adam=fp32_adam)
     if layouts is not None:
         distinct: dict[Layout, ModelState] = {}  # a million ranks share a handful of layouts
         for one in layouts:

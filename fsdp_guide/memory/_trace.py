@@ -9,12 +9,15 @@ by identity, since they all sit at address 0). A builder runs under ``torch.devi
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from contextlib import nullcontext
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from fsdp_guide.errors import PlanError
 from fsdp_guide.memory._zero import Precision
@@ -24,6 +27,8 @@ ModelSource = nn.Module | Callable[[], nn.Module]
 #: What activation checkpointing to plan for: none, each :class:`~fsdp_guide.models.Block`,
 #: or each module of a class.
 Checkpointing = None | Literal["blocks"] | type[nn.Module]
+#: How mixed precision computes in bf16: autocast (DDP's AMP) or bf16 parameters (FSDP, DeepSpeed).
+MixedPrecisionKind = Literal["autocast", "params"]
 #: Builds a ``(inputs, targets)`` batch of ``(batch_size, seq_len)``; run on fake tensors.
 #: Inputs: a tensor, a tuple (positional) or a dict (keyword arguments); targets ``None``
 #: when labels are among the inputs (:func:`fsdp_guide.inputs.example_batch`).
@@ -87,15 +92,17 @@ def build_on_meta(source: ModelSource) -> nn.Module:
     return model
 
 
-def _to_fake(model: nn.Module) -> None:
+def _to_fake(model: nn.Module, param_dtype: torch.dtype | None = None) -> None:
     """Replace ``model``'s parameters and buffers, in place, by CPU tensors of the active fake
-    mode: same shapes and dtypes, tied parameters still tied."""
+    mode: same shapes and dtypes (floating parameters in ``param_dtype`` when given), tied
+    parameters still tied."""
     fakes: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None:
                 if id(p) not in fakes:
-                    fake = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+                    dtype = param_dtype if param_dtype and p.is_floating_point() else p.dtype
+                    fake = torch.empty(p.shape, dtype=dtype, device="cpu")
                     fakes[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
                 module._parameters[name] = fakes[id(p)]
         for name, b in module._buffers.items():
@@ -107,6 +114,55 @@ def _default_batch(model: nn.Module) -> BatchBuilder:
     from fsdp_guide.inputs import example_batch
 
     return example_batch(model).build
+
+
+#: Elements of a batch built with real values (a data loader's batch, a few MB at most);
+#: a larger one is built on fake tensors, its data unknown.
+REAL_BATCH_ELEMENTS = 2**24
+
+
+class _OnRealData(TorchFunctionMode):
+    """Run, on real tensors, what reads only the batch's data; everything else stays fake.
+
+    A forward may branch on its inputs' values: transformers skips building an attention mask
+    when the padding mask is all ones, and takes another path (a float mask, K/V repeated for
+    every head) when it cannot look, as on fake tensors. Ops whose tensor arguments are all
+    real (the batch and what is computed from it alone) are run for real, so the trace takes
+    the branch the real forward takes.
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        tensors = [
+            t
+            for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, Tensor) and not isinstance(t, nn.Parameter)
+        ]
+        if tensors and not any(isinstance(t, FakeTensor) or t.requires_grad for t in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _make_batch(make_batch: BatchBuilder, batch_size: int, seq_len: int) -> Any:
+    """The batch, with real values when it is small enough (see :class:`_OnRealData`)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if batch_size * seq_len <= REAL_BATCH_ELEMENTS:
+        with unset_fake_temporarily():
+            inputs = make_batch(batch_size, seq_len)
+        sizes = [t.numel() for t in pytree.tree_leaves(inputs) if isinstance(t, Tensor)]
+        if sum(sizes) <= REAL_BATCH_ELEMENTS:
+            return inputs
+    return make_batch(batch_size, seq_len)
 
 
 def _checkpoint(model: nn.Module, checkpointing: Checkpointing) -> None:
@@ -133,6 +189,7 @@ def traced_activation_bytes(
     precision: Precision = "fp32",
     activation_checkpointing: Checkpointing = None,
     batch: BatchBuilder | None = None,
+    mixed: MixedPrecisionKind = "autocast",
 ) -> int:
     """Bytes autograd saves for backward in one forward and loss, traced on fake tensors.
 
@@ -140,10 +197,16 @@ def traced_activation_bytes(
         model: The model, real or on the meta device; it is not changed.
         batch_size: Samples in this rank's batch.
         seq_len: Tokens per sample (ignored by models without sequences, such as the MLP).
-        precision: ``"mixed"`` traces under bfloat16 autocast.
+        precision: ``"mixed"``: bfloat16 compute, as ``mixed`` says.
         activation_checkpointing: ``None``, ``"blocks"`` or a layer class to checkpoint.
         batch: Builds ``(inputs, targets)``; by default read from the model
             (:func:`fsdp_guide.inputs.example_batch`).
+        mixed: How ``"mixed"`` computes in bfloat16. ``"autocast"``: under
+            ``torch.autocast`` (DDP's AMP), which casts the weights for each op and keeps
+            those bf16 copies for backward; ``"params"``: in bf16 parameters and inputs, as
+            FSDP's ``MixedPrecision(param_dtype=torch.bfloat16)``, FSDP2's
+            ``MixedPrecisionPolicy`` and DeepSpeed's ``bf16`` run it (their bf16 weights
+            are parameters, not activations).
 
     Returns:
         What :func:`fsdp_guide.wrap.saved_activation_bytes` counts on a real forward.
@@ -169,19 +232,31 @@ def traced_activation_bytes(
     make_batch = batch or _default_batch(traced)
     if activation_checkpointing is not None:
         _checkpoint(traced, activation_checkpointing)
+    if mixed not in ("autocast", "params"):
+        raise PlanError(f"mixed must be 'autocast' or 'params', got {mixed!r}")
+    cast = precision == "mixed" and mixed == "params"
     autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16) if precision == "mixed" else nullcontext()
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if precision == "mixed" and not cast
+        else nullcontext()
     )
-    with FakeTensorMode():
-        _to_fake(traced)
+    # Real inputs meet fake parameters: the mode turns them into fake tensors where they do.
+    with FakeTensorMode(allow_non_fake_inputs=True), _quiet_tracer():
+        _to_fake(traced, torch.bfloat16 if cast else None)
         try:
-            inputs = make_batch(batch_size, seq_len)
-            with autocast:
+            inputs = _make_batch(make_batch, batch_size, seq_len)
+            if cast:  # the engine casts the forward's floating inputs, not the targets
+                x, *rest = inputs
+                x = pytree.tree_map_only(
+                    Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, x
+                )
+                inputs = (x, *rest)
+            with autocast, _OnRealData():
                 nbytes, _ = saved_activation_bytes(traced, lambda: loss_fn(traced, inputs))
         except PlanError:
             raise
-        except RuntimeError as exc:  # sizes past int64, and the like
-            raise PlanError(f"cannot trace the forward pass: {exc}") from exc
+        except RuntimeError as exc:  # sizes past int64, data-dependent routing, ...
+            raise PlanError(_cannot_trace(traced, exc)) from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             # The model refused the example batch (a missing or unexpected input).
             raise PlanError(
@@ -190,3 +265,30 @@ def traced_activation_bytes(
                 "(Python: batch=)"
             ) from exc
     return nbytes
+
+
+@contextmanager
+def _quiet_tracer() -> Iterator[None]:
+    """The fake-tensor tracer logs a failing op's whole stack: the error says enough."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
+
+
+def _cannot_trace(model: nn.Module, exc: Exception) -> str:
+    """One line saying why the forward cannot be traced, and what to do instead."""
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    experts = [m for m in model.modules() if "expert" in type(m).__name__.lower()]
+    if experts:
+        return (
+            f"cannot trace {type(model).__name__}'s activations: its mixture-of-experts layers "
+            f"({type(experts[0]).__name__}) send each token to experts chosen from its values, "
+            "which a trace without data cannot follow; measure one forward with "
+            "saved_activation_bytes and pass its bytes as activations= to plan the rest"
+            f" ({reason})"
+        )
+    return f"cannot trace the forward pass: {reason}"

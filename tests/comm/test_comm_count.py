@@ -31,11 +31,13 @@ PSI = count_params(build_model("transformer"))
 
 
 def _root_units(name: str) -> int:
-    """R from the units, computed without the package: what each setup wraps as its root."""
+    """R from the units, computed without the package: what each setup wraps as its root.
+
+    Every fully sharded setup (FSDP1 and FSDP2 alike) makes a unit of each block; the root
+    holds the rest.
+    """
     model: Any = build_model("transformer")
-    if name in ("fsdp2", "fsdp2_hybrid"):  # one unit per block, the root holds the rest
-        return PSI - sum(count_params(block) for block in model.blocks)
-    return PSI  # FSDP1 in compare: the whole model is one unit
+    return PSI - sum(count_params(block) for block in model.blocks)
 
 
 def test_prediction_table_and_conventions() -> None:

@@ -80,15 +80,33 @@ def _shapes(model: nn.Module) -> list[torch.Size]:
     return [p.shape for p in model.parameters()]
 
 
+def _unit_numels(model: nn.Module) -> list[int]:
+    """Parameters of each FSDP1 unit: the root (all but the blocks), then each block."""
+    blocks = list(getattr(model, "blocks", []))
+    inside = sum(p.numel() for block in blocks for p in block.parameters())
+    root = sum(p.numel() for p in model.parameters()) - inside
+    return [root, *(sum(p.numel() for p in block.parameters()) for block in blocks)]
+
+
 def expected_bytes(
-    name: str, shapes: list[torch.Size], world_size: int, rank: int, owned: list[int]
+    name: str,
+    shapes: list[torch.Size],
+    world_size: int,
+    rank: int,
+    owned: list[int],
+    units: list[int],
 ) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes this rank should hold, fp32 Adam."""
+    """(params, grads, optimizer) bytes this rank should hold, fp32 Adam.
+
+    ``units``: the parameters of each FSDP1 unit (a flat parameter each).
+    """
     numels = [math.prod(s) for s in shapes]
     total = sum(numels)
     full = (4 * total, 4 * total, 8 * total + STEP_BYTES * len(numels))
     if name in ("ddp", "fsdp_no_shard"):
-        return full if name == "ddp" else (4 * total, 4 * total, 8 * total + STEP_BYTES)
+        return (
+            full if name == "ddp" else (4 * total, 4 * total, 8 * total + STEP_BYTES * len(units))
+        )
     shard_state = 8 * sum(owned) + STEP_BYTES * len(owned)
     if name in ("zero1", "oss", "sharded_ddp_buckets"):
         return 4 * total, 4 * total, shard_state
@@ -96,8 +114,9 @@ def expected_bytes(
         return 4 * total, 4 * sum(owned), shard_state
     if name in ("fsdp", "fsdp_grad_op", "fsdp_hybrid"):
         group = engine_for(name).shard_group_size(world_size)
-        shard = math.ceil(total / group)  # one flat parameter, padded to a multiple of group
-        return 4 * shard, 4 * shard, 8 * shard + STEP_BYTES
+        # A flat parameter per unit, each padded to a multiple of group.
+        shard = sum(math.ceil(unit / group) for unit in units)
+        return 4 * shard, 4 * shard, 8 * shard + STEP_BYTES * len(units)
     if name in ("fsdp2", "fsdp2_hybrid"):  # each tensor cut along dim 0 into padded chunks
         group = engine_for(name).shard_group_size(world_size)  # HSDP: shard within pairs
         padded = local = 0
@@ -118,7 +137,8 @@ def test_measured_bytes_match_shapes(runs: Any, name: str) -> None:
     for rank, result in enumerate(results):
         got = result[("transformer", name)]
         state = got["state"]
-        want = expected_bytes(name, shapes, world_size, rank, got["owned"])
+        units = _unit_numels(build_model("transformer"))
+        want = expected_bytes(name, shapes, world_size, rank, got["owned"], units)
         assert (state.params, state.grads, state.optimizer) == want, f"rank {rank}"
 
 
@@ -129,7 +149,7 @@ def test_fsdp_padding_is_counted(runs: Any, name: str) -> None:
     shapes = _shapes(odd_model())
     for rank, result in enumerate(results):
         state = result[("odd", name)]["state"]
-        want = expected_bytes(name, shapes, world_size, rank, [])
+        want = expected_bytes(name, shapes, world_size, rank, [], _unit_numels(odd_model()))
         assert (state.params, state.grads, state.optimizer) == want, f"rank {rank}"
     if world_size > 1 and name != "fsdp_hybrid":
         # 23 parameters never divide evenly: the shards together exceed the model.

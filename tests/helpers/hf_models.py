@@ -1,0 +1,222 @@
+"""Tiny transformers models (built from config classes, no download) and their batches.
+
+Each model is wrapped so that ``model(x)`` returns a logits tensor: the planner's loss
+(cross-entropy over the last dimension) reads it as it reads the demo models'. Llama gets an
+attention mask of ones, as a tokenizer gives it, BERT a
+padding mask (the last two positions of every sample padded) built inside the wrapper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+VOCAB = 96
+SEQ = 16
+IMAGE = 16
+CLASSES = 5
+
+
+class Logits(nn.Module):
+    """``inner(**inputs(x)).logits``: a transformers model as a tensor-in, tensor-out module."""
+
+    def __init__(self, inner: nn.Module, kind: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.kind = kind
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "t5":
+            return self.inner(input_ids=x, decoder_input_ids=x).logits
+        if self.kind == "bert_padded":
+            seq = x.shape[1]
+            mask = (torch.arange(seq, device=x.device) < seq - 2).long().expand(x.shape[0], seq)
+            return self.inner(input_ids=x, attention_mask=mask).logits
+        if self.kind == "image":
+            return self.inner(pixel_values=x).logits
+        if self.kind == "tokens_mask":  # a tokenizer's mask: all ones, no padding
+            return self.inner(input_ids=x, attention_mask=torch.ones_like(x)).logits
+        return self.inner(input_ids=x).logits
+
+
+def _build(name: str) -> nn.Module:
+    import transformers as tf
+
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
+    if name == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4)
+        return Logits(tf.GPT2LMHeadModel(cfg), "tokens")
+    if name == "llama":
+        cfg = tf.LlamaConfig(
+            vocab_size=VOCAB,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            **small,
+        )
+        return Logits(tf.LlamaForCausalLM(cfg), "tokens_mask")
+    if name == "bert":
+        cfg = tf.BertConfig(
+            vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=SEQ, **small
+        )
+        return Logits(tf.BertForMaskedLM(cfg), "bert_padded")
+    if name == "t5":
+        cfg = tf.T5Config(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+        )
+        return Logits(tf.T5ForConditionalGeneration(cfg), "t5")
+    if name == "vit":
+        cfg = tf.ViTConfig(
+            image_size=IMAGE,
+            patch_size=4,
+            num_channels=3,
+            num_hidden_layers=2,
+            num_labels=CLASSES,
+            **small,
+        )
+        return Logits(tf.ViTForImageClassification(cfg), "image")
+    if name == "resnet":
+        cfg = tf.ResNetConfig(
+            num_channels=3,
+            embedding_size=8,
+            hidden_sizes=[8, 16],
+            depths=[1, 1],
+            layer_type="basic",
+            num_labels=CLASSES,
+        )
+        return Logits(tf.ResNetForImageClassification(cfg), "image")
+    raise ValueError(name)
+
+
+MODELS = ("gpt2", "llama", "bert", "t5", "vit", "resnet")
+
+
+def builder(name: str) -> Callable[[], nn.Module]:
+    """A seeded builder of the tiny model ``name``."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return _build(name)
+
+    return build
+
+
+def batch_fn(name: str) -> Callable[[int, int], tuple[Tensor, Tensor]]:
+    """``(inputs, targets)`` of ``batch_size`` samples for ``name`` (``seq_len`` for tokens)."""
+    image = name in ("vit", "resnet")
+
+    def make(batch_size: int, seq_len: int) -> tuple[Tensor, Tensor]:
+        if image:
+            x = torch.ones(batch_size, 3, IMAGE, IMAGE)
+            return x, torch.zeros(batch_size, dtype=torch.long)
+        ids = torch.ones(batch_size, seq_len, dtype=torch.long)
+        return ids, ids.clone()
+
+    return make
+
+
+def measure_and_plan(
+    rank: int, world_size: int, name: str, strategy: str, batch_size: int = 2, steps: int = 3
+) -> dict[str, dict[str, int]]:
+    """On a launched rank: train ``name`` under ``strategy``; measured and planned fields.
+
+    ``batch_size`` samples per rank. Measured in the last step (the third by default: DDP
+    rebuilds its buckets and DeepSpeed settles its prefetch order in the second, with a
+    broadcast each, once): the model state after ``optimizer.step()``
+    (:func:`fsdp_guide.memory.measure_model_state`), the bytes saved by the forward
+    (:func:`fsdp_guide.wrap.saved_activation_bytes`) and the payload per collective kind
+    (:func:`fsdp_guide.comm.count_collectives`).
+    """
+    import warnings
+
+    from fsdp_guide.comm import count_collectives
+    from fsdp_guide.engines import engine_for, wrap_for_strategy
+    from fsdp_guide.memory import measure_model_state, plan
+    from fsdp_guide.models import loss_fn
+    from fsdp_guide.wrap import saved_activation_bytes
+
+    engine = engine_for(strategy)
+    model = builder(name)()
+    make = batch_fn(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module, optimizer = wrap_for_strategy(model, strategy, world_size)
+        for step in range(steps):
+            batch = make(batch_size, SEQ)
+            with count_collectives() as counted:
+                saved, loss = saved_activation_bytes(
+                    module, lambda batch=batch: loss_fn(module, batch)
+                )
+                engine.train_step(module, optimizer, loss)
+            if step == steps - 1:
+                state = measure_model_state(module, optimizer)
+            engine.zero_grad(module, optimizer)
+        planned = plan(
+            builder(name),
+            batch_size=batch_size,
+            seq_len=SEQ,
+            world_size=world_size,
+            strategy=strategy,
+            batch=make,
+        )
+    mine = planned.ranks[rank]
+    fields = ("params", "grads", "optimizer", "buckets", "master")
+    return {
+        "measured": {
+            **{f: getattr(state, f) for f in fields},
+            "activations": saved,
+            **{f"comm_{k}": v.elements for k, v in counted.stats.kinds.items()},
+        },
+        "planned": {
+            **{f: getattr(mine, f) for f in fields},
+            "activations": planned.activations,
+            **{f"comm_{k}": v for k, v in planned.communication.payload.items()},
+        },
+    }
+
+
+def measure_and_plan_many(
+    rank: int, world_size: int, cases: list[tuple[str, str]]
+) -> list[dict[str, dict[str, int]]]:
+    """:func:`measure_and_plan` for each ``(model, strategy)`` in one launch."""
+    return [measure_and_plan(rank, world_size, name, strategy) for name, strategy in cases]
+
+
+def fsdp2_bf16_saved(rank: int, world_size: int, names: list[str]) -> list[tuple[int, int]]:
+    """On a launched rank: (measured, planned) saved bytes of each model under FSDP2 with
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, a unit per block."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fsdp_guide.engines import unit_names
+    from fsdp_guide.memory import plan
+    from fsdp_guide.models import loss_fn
+    from fsdp_guide.wrap import saved_activation_bytes
+
+    pairs = []
+    for name in names:
+        model = builder(name)()
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for unit in unit_names(model):
+            fully_shard(model.get_submodule(unit), mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        batch = batch_fn(name)(2, SEQ)
+        saved, _ = saved_activation_bytes(model, lambda: loss_fn(model, batch))  # noqa: B023
+        planned = plan(
+            builder(name),
+            batch_size=2,
+            seq_len=SEQ,
+            world_size=world_size,
+            strategy="fsdp2",
+            precision="mixed",
+            batch=batch_fn(name),
+        )
+        pairs.append((saved, planned.activations))
+    return pairs
