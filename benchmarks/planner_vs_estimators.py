@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fsdp_guide.engines import engine_for
 from fsdp_guide.hf import hf_builder
 from fsdp_guide.memory import Plan, build_on_meta, plan, traced_activation_bytes
 
@@ -136,14 +137,23 @@ def main() -> None:
             f"head), {gpus} GPUs; accelerate's model size {gb(acc['size_fp32'])} GB in fp32"
         )
         block = type(model.model.layers[0])  # type: ignore[index, union-attr]
+        # One trace per way of running (fp32; bf16 by autocast or by cast parameters), as
+        # plan() would trace for each strategy.
         saved = {
-            precision: traced_activation_bytes(
-                model, 1, SEQ, precision=precision, activation_checkpointing=block
+            (precision, mixed): traced_activation_bytes(
+                model, 1, SEQ, precision=precision, activation_checkpointing=block, mixed=mixed
             )
-            for precision in ("fp32", "mixed")
+            for precision, mixed in (
+                ("fp32", "autocast"),
+                ("mixed", "autocast"),
+                ("mixed", "params"),
+            )
         }
         for label, strategy, precision, ds_key, acc_key in ROWS:
-            p = ours(model, gpus, strategy, precision, saved[precision])
+            cast = precision == "mixed" and engine_for(strategy).mixed_precision == "params"
+            p = ours(
+                model, gpus, strategy, precision, saved[precision, "params" if cast else "autocast"]
+            )
             state = p.device_state
             out.append(
                 f"| {name} | {label} | {gb(state)} | {gb(p.activations)} | {gb(p.transient)} "

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 from fsdp_guide.errors import CommandError
 
@@ -193,6 +193,14 @@ def _quiet_transformers() -> Iterator[None]:
             os.environ["TRANSFORMERS_VERBOSITY"] = saved
 
 
+def _bf16_kind(strategy: str, precision: str) -> Literal["params", "autocast"]:
+    """How ``strategy`` runs bf16 (what its activation trace follows); one kind in fp32."""
+    from fsdp_guide.engines import engine_for
+
+    mixed = precision == "mixed" and engine_for(strategy).mixed_precision == "params"
+    return "params" if mixed else "autocast"
+
+
 def run_model(args: argparse.Namespace) -> int:
     """Plan ``args.model`` for each strategy; print a table (or JSON) and a recommendation."""
     from fsdp_guide.catalog import STRATEGIES
@@ -216,18 +224,22 @@ def run_model(args: argparse.Namespace) -> int:
             checkpointing = _checkpointing(args.activation_checkpointing, model)
             batch = example_batch(model, args.input or ())
             seq_len = args.seq_len or (default_seq_len(model) if batch.uses_seq_len else 1)
-            # One trace serves every strategy: the activations per rank do not depend on it
-            # (with tensor parallelism, plan() traces the model as one rank cuts it).
-            activations = None
-            if tp == 1:
-                activations = traced_activation_bytes(
-                    model,
-                    args.batch_size,
-                    seq_len,
-                    precision=args.precision,
-                    activation_checkpointing=checkpointing,
-                    batch=batch.build,
-                )
+            # One trace serves every strategy that runs bf16 the same way (autocast, or cast
+            # parameters; in fp32 all are alike); with tensor parallelism, plan() traces the
+            # model as one rank cuts it.
+            traces: dict[str, int] = {}
+            for name in names if tp == 1 else []:
+                kind = _bf16_kind(name, args.precision)
+                if kind not in traces:
+                    traces[kind] = traced_activation_bytes(
+                        model,
+                        args.batch_size,
+                        seq_len,
+                        precision=args.precision,
+                        activation_checkpointing=checkpointing,
+                        batch=batch.build,
+                        mixed=kind,
+                    )
         for name in names:
             plans.append(
                 plan(
@@ -239,7 +251,7 @@ def run_model(args: argparse.Namespace) -> int:
                     precision=args.precision,
                     activation_checkpointing=checkpointing,
                     optimizer=args.optimizer,
-                    activations=activations,
+                    activations=traces.get(_bf16_kind(name, args.precision)),
                     tensor_parallel=tp,
                     batch=batch.build,
                 )

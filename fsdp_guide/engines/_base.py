@@ -141,11 +141,10 @@ class Engine(ABC):
     #: Whether it broadcasts the model's buffers from rank 0 before each forward (DDP's
     #: ``broadcast_buffers=True``, which every DDP-based engine here keeps).
     broadcasts_buffers: ClassVar[bool] = False
-    #: ``"autocast"`` or ``"params"``, the way it runs a model in bf16 mixed precision. With
-    #: ``"autocast"`` (DDP and the optimizers over it) ``torch.autocast`` keeps bf16 copies of
-    #: the weights for backward; with ``"params"`` (FSDP's ``MixedPrecision``, FSDP2's
-    #: ``MixedPrecisionPolicy``, DeepSpeed's ``bf16``) the parameters themselves are cast, and
-    #: the forward's inputs too.
+    #: ``"autocast"`` or ``"params"``, how it runs bf16 mixed precision. ``"autocast"`` (DDP
+    #: and the optimizers over it): ``torch.autocast`` keeps bf16 copies of the weights for
+    #: backward; ``"params"`` (FSDP's ``MixedPrecision``, FSDP2's ``MixedPrecisionPolicy``,
+    #: DeepSpeed's ``bf16``): the parameters themselves are cast, the forward's inputs too.
     mixed_precision: ClassVar[str] = "autocast"
 
     @classmethod
