@@ -59,8 +59,9 @@ def device() -> tuple[bool, str]:
     return True, f"{', '.join(names)}; torch {torch.__version__} (CUDA {torch.version.cuda})"
 
 
-def run_tests(paths: list[str], seconds: float) -> Result:
-    """``pytest -m gpu`` over ``paths`` in a subprocess, stopped after ``seconds``."""
+def run_tests(paths: list[str], seconds: float, log: Path | None = None) -> Result:
+    """``pytest -m gpu`` over ``paths`` in a subprocess, stopped after ``seconds``; its whole
+    output goes to ``log`` when given."""
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", *paths]
     if seconds <= 0:
         return Result("pytest -m gpu", " ".join(command[1:]), "not run", 0.0, "no time left")
@@ -74,6 +75,8 @@ def run_tests(paths: list[str], seconds: float) -> Result:
         partial = stopped.stdout or b""
         text = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
         output, ok = f"{text}\ntimed out after {seconds:.0f} s", False
+    if log is not None:
+        log.write_text(str(output))
     lines = [line for line in str(output).splitlines() if line.strip()]
     return Result(
         name="pytest -m gpu",
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
     if not args.no_tests:
-        results.append(run_tests(args.tests, deadline - time.time()))
+        results.append(run_tests(args.tests, deadline - time.time(), args.out / "pytest.log"))
         print(f"pytest -m gpu: {results[-1].status}, {results[-1].summary}", flush=True)
     if not args.no_notebooks:
         paths = [str(p) for p in notebook_paths(args.notebook)]
