@@ -26,7 +26,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ BIG = TransformerConfig(vocab_size=256, dim=1024, n_heads=16, n_layers=24, seq_l
 SMALL = TransformerConfig(vocab_size=64, dim=32, n_heads=2, n_layers=2, seq_len=16)
 BATCH = 8
 # (catalog strategy, shard() engine or None for DDP, checkpointing)
-SETTINGS: list[tuple[str, str | None, str | None]] = [
+SETTINGS: list[tuple[str, str | None, Literal["blocks"] | None]] = [
     (strategy, engine, ac)
     for strategy, engine in (("ddp", None), ("fairscale_fsdp", "fairscale"), ("fsdp2", "fsdp2"))
     for ac in (None, "blocks")
@@ -89,7 +89,7 @@ def peak_rank(
         peak = record_step(
             lambda: loss_fn(model, batch),
             lambda loss: loss.backward(),
-            lambda: (optimizer.step(), optimizer.zero_grad()),
+            lambda: (optimizer.step(), optimizer.zero_grad()) and None,
             state_before={"params": state.params, "optimizer": state.optimizer},
         ).peak
     return {
@@ -104,19 +104,27 @@ def peak_rank(
 def run(small: bool) -> list[str]:
     """Measure and plan every setting; the report's lines."""
     config = SMALL if small else BIG
-    backend = "gloo" if small else "nccl"
+    backend: Literal["gloo", "nccl"] = "gloo" if small else "nccl"
     rows, where = [], ""
     for strategy, engine, ac in SETTINGS:
         if small and engine == "fairscale":  # FairScale FSDP runs on CUDA only
             continue
         (m,) = launch(
-            peak_rank, 1, args=(config, engine, ac), backend=backend, start_method="spawn",
+            peak_rank,
+            1,
+            args=(config, engine, ac),
+            backend=backend,
+            start_method="spawn",
             timeout=300,
         )
         where = f"{m['device']} ({m['backend']})"
         p = plan(
-            lambda: TinyTransformer(config), batch_size=BATCH, seq_len=config.seq_len,
-            world_size=1, strategy=strategy, activation_checkpointing=ac,
+            lambda: TinyTransformer(config),
+            batch_size=BATCH,
+            seq_len=config.seq_len,
+            world_size=1,
+            strategy=strategy,
+            activation_checkpointing=ac,
         )
         rows.append(
             f"| {strategy} | {ac or 'none'} | {m['state'] / 1e6:,.1f} | {p.state.total / 1e6:,.1f}"
@@ -141,8 +149,9 @@ def run(small: bool) -> list[str]:
         "`plan(...)` for the same model, batch and checkpointing. Ratios are measured peak / "
         "planned figure: `Plan.total` (state + activations + transient) and `Plan.step_peak`.",
         "",
-        "| strategy | checkpointing | state measured | state planned | activations | transient"
-        " | Plan.total | Plan.step_peak | peak measured | peak / total | peak / step_peak | step s |",
+        "| strategy | checkpointing | state measured | state planned | activations"
+        " | transient | Plan.total | Plan.step_peak | peak measured | peak / total"
+        " | peak / step_peak | step s |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
         "",

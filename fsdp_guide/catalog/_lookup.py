@@ -128,9 +128,9 @@ def check_strategies(
             )
         if spec.needs_cuda:
             if cuda is None:
-                import torch
+                from fsdp_guide.launcher import visible_gpus
 
-                cuda = torch.cuda.is_available()
+                cuda = visible_gpus() > 0
             if not cuda:
                 raise ValueError(
                     f"strategy {spec.name!r} needs CUDA, and no GPU is visible; leave it out"

@@ -75,12 +75,11 @@ def _strategy_names() -> list[str]:
 
 
 def _default_strategies(world_size: int) -> list[str]:
-    import torch
-
     from fsdp_guide.catalog import DEFAULT_STRATEGIES, STRATEGIES
+    from fsdp_guide.launcher import visible_gpus
 
     # The CUDA-only ones run on NCCL with one GPU per rank: added where there are enough GPUs.
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()
     cuda = [name for name, spec in STRATEGIES.items() if spec.needs_cuda]
     return [*DEFAULT_STRATEGIES, *(cuda if gpus >= world_size else [])]
 

@@ -21,7 +21,7 @@ from fsdp_guide.catalog import check_strategies
 from fsdp_guide.comm import CommStats, count_collectives, predict_communication
 from fsdp_guide.compare._report import ComparisonRow
 from fsdp_guide.engines import engine_for, with_wrap, wrap_for_strategy
-from fsdp_guide.launcher import check_world_size, launch
+from fsdp_guide.launcher import check_world_size, launch, visible_gpus
 from fsdp_guide.memory import (
     ModelState,
     PeakMemory,
@@ -217,15 +217,17 @@ def run_comparison(
             f"batch size {batch_size} does not divide by world_size={world_size}; "
             f"pass a multiple of {world_size}"
         )
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = visible_gpus()
     for spec in specs:
         if spec.needs_cuda and gpus < world_size:
             raise ValueError(
                 f"strategy {spec.name!r} needs one GPU per rank: world_size={world_size} but "
                 f"{gpus} GPU(s) visible; lower --world-size or leave it out"
             )
-    # Fork starts ranks in a fraction of spawn's time; CUDA is not touched in this process.
-    method: Literal["fork", "spawn"] = "fork" if sys.platform == "linux" else "spawn"
+    # Fork starts ranks in a fraction of spawn's time, but with a GPU visible a forked rank
+    # fails once this process has run a backward pass or initialised CUDA.
+    forks = sys.platform == "linux" and gpus == 0
+    method: Literal["fork", "spawn"] = "fork" if forks else "spawn"
     rows: list[ComparisonRow] = []
     for index, spec in enumerate(specs, start=1):
         if progress:

@@ -31,7 +31,12 @@ from fsdp_guide.errors import CollectiveMismatchError as CollectiveMismatchError
 from fsdp_guide.errors import LaunchError as LaunchError
 from fsdp_guide.errors import LaunchTimeout as LaunchTimeout
 from fsdp_guide.errors import RankError as RankError
-from fsdp_guide.launcher._checks import check_world_size, in_interactive_session, resolve_backend
+from fsdp_guide.launcher._checks import (
+    check_world_size,
+    in_interactive_session,
+    resolve_backend,
+    visible_gpus,
+)
 
 # For the package's collective helpers (checkpoint.save and load), not documented for readers.
 from fsdp_guide.launcher._entry import every_rank_enters as every_rank_enters
@@ -50,4 +55,5 @@ __all__ = [
     "plan_ranks",
     "rank_device",
     "resolve_backend",
+    "visible_gpus",
 ]

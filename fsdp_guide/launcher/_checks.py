@@ -8,6 +8,7 @@ spawned rank, or a fork that the CUDA state of this process forbids.
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import sys
 from collections.abc import Callable, Mapping
@@ -52,7 +53,7 @@ def in_interactive_session() -> bool:
     """Whether we run in a Jupyter kernel or an interactive Python prompt.
 
     There, functions defined by the user live in an unnamed ``__main__`` that a spawned
-    child cannot import, so ranks have to be forked.
+    child cannot import: they travel to spawned ranks by value, or ranks are forked.
 
     Examples:
         >>> in_interactive_session()  # under pytest
@@ -68,10 +69,27 @@ def in_interactive_session() -> bool:
     return False
 
 
-def _gpu_count() -> int:
+def visible_gpus() -> int:
+    """The number of GPUs this process sees, counted without initialising CUDA.
+
+    ``torch.cuda.is_available()`` initialises the CUDA driver, after which a forked child
+    cannot use CUDA (and even torch's optimizers ask CUDA whether a graph is being
+    captured); ``torch.cuda.device_count()`` asks NVML where it can, which leaves it alone.
+
+    Returns:
+        GPUs visible (``CUDA_VISIBLE_DEVICES`` applies); 0 with a CPU build of torch.
+
+    Examples:
+        >>> visible_gpus() >= 0
+        True
+    """
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return int(torch.cuda.device_count())
+
+
+def _gpu_count() -> int:
+    return visible_gpus()
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -151,17 +169,23 @@ def check_world_size(world_size: object) -> int:
 
 
 def resolve_start_method(start_method: str) -> str:
-    """``"fork"`` or ``"spawn"``: ``"auto"`` forks in an interactive session only."""
+    """``"fork"`` or ``"spawn"``: ``"auto"`` forks in an interactive session without a GPU.
+
+    With a GPU visible, forking is fragile: once this process has initialised the CUDA
+    driver or run a backward pass (autograd then starts a thread per GPU), a forked child
+    can use neither CUDA nor autograd. Spawned ranks start clean.
+    """
     if start_method not in _START_METHODS:
         choices = ", ".join(repr(m) for m in _START_METHODS)
         raise ValueError(f"unknown start_method {start_method!r}; choose one of {choices}")
     if start_method == "auto":
-        return "fork" if in_interactive_session() else "spawn"
+        return "fork" if in_interactive_session() and _gpu_count() == 0 else "spawn"
     return start_method
 
 
 def check_fork_is_safe() -> None:
-    """Refuse to fork once CUDA is initialised here: a forked child cannot use it."""
+    """Refuse to fork once CUDA or autograd's GPU threads exist here: a forked child could
+    use neither (its first backward pass, or an optimizer's step, would fail)."""
     import torch
 
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
@@ -171,27 +195,53 @@ def check_fork_is_safe() -> None:
             "(no .cuda(), no torch.cuda calls) before launching, and create CUDA tensors "
             "inside the launched function instead."
         )
+    if _gpu_count() > 0 and not _forked_child_works():
+        raise RuntimeError(
+            "cannot fork ranks: with a GPU visible, this process has already run a backward "
+            "pass or initialised the CUDA driver (autograd then starts a thread per GPU), and "
+            "a forked child can use neither autograd nor CUDA. Use launch() with "
+            "start_method='spawn' (the default here: functions defined in a notebook travel "
+            "by value), or restart the kernel and run forked cells before any training in "
+            "the kernel itself."
+        )
+
+
+def _forked_child_works() -> bool:
+    """Whether a forked child can run a backward pass and ask CUDA a question."""
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit code only, never return
+        code = 1
+        try:
+            import torch
+
+            torch.ones(1, requires_grad=True).sum().backward()  # type: ignore[no-untyped-call]
+            if torch.cuda.device_count() > 0:  # what an optimizer's step asks CUDA
+                torch.cuda.is_current_stream_capturing()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def dumps_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bytes:
+    """What a spawned rank runs, pickled: functions and classes of an unnamed ``__main__``
+    (a notebook cell, ``python -c``) by value, everything importable by reference."""
+    import cloudpickle
+
+    return bytes(cloudpickle.dumps((fn, args, dict(kwargs)), protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def check_picklable(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
-) -> None:
-    """Refuse, with the fix, a call that a spawned rank could not unpickle."""
-    main = sys.modules.get("__main__")
-    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+) -> bytes:
+    """The job a spawned rank unpickles; refuse, with the fix, one that cannot be pickled."""
+    try:
+        return dumps_job(fn, args, kwargs)
+    except Exception as exc:
         raise TypeError(
-            f"start_method='spawn' cannot run {getattr(fn, '__qualname__', fn)!r}: it is "
-            "defined interactively (a notebook cell or prompt), and a spawned process starts "
-            "a fresh interpreter that cannot import it. Use start_method='fork', or move the "
-            "function into a .py module and import it."
-        )
-    for what, obj in (("the function", fn), ("args", args), ("kwargs", dict(kwargs))):
-        try:
-            pickle.dumps(obj)
-        except Exception as exc:
-            raise TypeError(
-                f"start_method='spawn' must pickle {what} to send it to each rank, and "
-                f"pickling failed ({type(exc).__name__}: {exc}). Lambdas and functions nested "
-                "in other functions cannot be pickled: define the function at the top level "
-                "of a module, or use start_method='fork'."
-            ) from exc
+            "start_method='spawn' must pickle the function and its arguments to send them to "
+            f"each rank, and pickling failed ({type(exc).__name__}: {exc}). Pass plain data "
+            "and CPU tensors, open files, sockets and locks inside the function, or use "
+            "start_method='fork'."
+        ) from exc

@@ -84,6 +84,10 @@ def launch(
     rank that is only slow (computing, sleeping, reading, waiting on anything that is not a
     collective) is never reported this way: only ``timeout`` ends it.
 
+    A gloo rank is a CPU rank: ``CUDA_VISIBLE_DEVICES`` is emptied in it, so that torch's
+    code paths that turn to a visible GPU (FSDP2's default device mesh, PowerSGD, an
+    optimizer's CUDA-graph check) stay on the CPU.
+
     A line of output longer than ``2**20`` characters is printed in pieces.
 
     Launch from one thread at a time: forking while other threads of a long-lived process
@@ -96,16 +100,21 @@ def launch(
     unless ``OMP_NUM_THREADS`` is set).
 
     Args:
-        fn: The training function. With ``start_method="spawn"`` it must be importable
-            (defined at the top level of a module).
+        fn: The training function. With ``start_method="spawn"`` it and its arguments are
+            pickled to each rank: a function defined in a notebook travels by value
+            (``cloudpickle``, with the globals it uses), one from a module by name.
         world_size: Number of ranks.
         args: Extra positional arguments for ``fn``.
         kwargs: Extra keyword arguments for ``fn``.
         backend: ``"auto"`` (NCCL with a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``.
         timeout: Seconds before all ranks are stopped and :class:`LaunchTimeout` is raised.
-        start_method: ``"auto"`` (fork in a notebook or interactive prompt, else spawn),
-            ``"fork"`` or ``"spawn"``. A spawned rank imports the launching script again,
-            so in a script the call must sit under ``if __name__ == "__main__":``.
+        start_method: ``"auto"`` (fork in a notebook or interactive prompt on a machine
+            without a GPU, else spawn), ``"fork"`` or ``"spawn"``. With a GPU visible, a
+            forked rank cannot use CUDA or autograd once this process has run a backward
+            pass or initialised CUDA, so ``"auto"`` spawns there, at a cost of a few seconds
+            per launch (each rank imports torch). A spawned rank imports the launching
+            script again, so in a script the call must sit under
+            ``if __name__ == "__main__":``.
 
     Returns:
         The return value of each rank, ordered by rank. Values travel by pickle, so return
@@ -115,9 +124,10 @@ def launch(
         ValueError: Bad ``world_size``, ``backend``, ``start_method`` or ``timeout``; NCCL
             with too few GPUs; ``MASTER_PORT`` not a port number or already in use. Raised
             before any process starts.
-        TypeError: With spawn, a function or argument that cannot be sent to a new process.
-        RuntimeError: Fork requested while CUDA is initialised in this process, or a
-            process group already initialised here outside ``torchrun``.
+        TypeError: With spawn, a function or argument that cannot be pickled.
+        RuntimeError: Fork requested while CUDA is initialised in this process (or, with
+            a GPU visible, after a backward pass here), or a process group already
+            initialised here outside ``torchrun``.
         LaunchError: Spawn requested from the top level of a script, outside
             ``if __name__ == "__main__":``. Raised before any process starts.
         RankError: A rank raised, exited non-zero, was killed, or returned a value that
@@ -142,11 +152,12 @@ def launch(
     world_size = check_world_size(world_size)
     chosen_backend = resolve_backend(backend, world_size)
     method = resolve_start_method(start_method)
+    job: bytes | None = None
     if method == "fork":
         check_fork_is_safe()
     else:
         check_main_guard()
-        check_picklable(fn, args, kwargs)
+        job = check_picklable(fn, args, kwargs)
 
     import torch.distributed as dist
 
@@ -159,7 +170,7 @@ def launch(
     port = master_port()
     ctx = mp.get_context(method)
     ranks = _supervisor.start_ranks(
-        ctx, fn, world_size, args, kwargs, chosen_backend, MASTER_ADDR, port, timeout
+        ctx, job or fn, world_size, args, kwargs, chosen_backend, MASTER_ADDR, port, timeout
     )
     try:
         return _supervisor.supervise(ranks, timeout, watch_collectives=chosen_backend == "gloo")

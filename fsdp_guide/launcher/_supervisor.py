@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import selectors
 import signal
 import socket
@@ -22,6 +21,7 @@ from typing import Any
 
 from fsdp_guide.errors import LaunchTimeout
 from fsdp_guide.launcher import _worker
+from fsdp_guide.launcher._checks import dumps_job
 from fsdp_guide.launcher._hangs import HangWatch
 from fsdp_guide.launcher._output import _emit, _Stream
 from fsdp_guide.launcher._rendezvous import FD_LOCK
@@ -68,7 +68,7 @@ def _dump_stacks(ranks: list[Rank], grace_s: float = 1.0) -> None:
 
 def start_ranks(
     ctx: BaseContext,
-    fn: Callable[..., Any],
+    fn: Callable[..., Any] | bytes,
     world_size: int,
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
@@ -85,10 +85,10 @@ def start_ranks(
     """
     ranks: list[Rank] = []
     forked = ctx.get_start_method() == "fork"
-    # A spawned rank gets its work pickled by us and unpickles it after redirecting its
-    # output (see _worker.run_rank); a forked rank shares our memory and needs no pickling.
+    # A spawned rank gets its work pickled by us (``fn`` is then those bytes) and unpickles
+    # it after redirecting its output (see _worker.run_rank); a forked rank shares our memory.
     job: Callable[..., Any] | bytes = (
-        fn if forked else pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        fn if forked or isinstance(fn, bytes) else dumps_job(fn, args, kwargs)
     )
     try:
         for rank in range(world_size):

@@ -114,9 +114,9 @@ def _rebuild_job(job: bytes) -> tuple[Callable[..., Any], tuple[Any, ...], Mappi
     except Exception as exc:
         raise RuntimeError(
             "this spawned rank could not rebuild the function or its arguments "
-            f"({type(exc).__name__}: {exc}). A spawned rank is a fresh interpreter: they "
-            "must be importable there, so define them in a module on sys.path, or use "
-            "start_method='fork'."
+            f"({type(exc).__name__}: {exc}). A spawned rank is a fresh interpreter: the "
+            "modules they come from must be importable there (on sys.path, installed), or "
+            "use start_method='fork'."
         ) from None
     return fn, args, kwargs
 
@@ -178,6 +178,10 @@ def run_rank(
             "MASTER_PORT": str(master_port),
         }
     )
+    if backend == "gloo":
+        # A gloo rank is a CPU rank. With a GPU visible, torch's CUDA paths would still
+        # run in it (PowerSGD synchronises CUDA, FSDP2's default mesh picks the GPU by rank).
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
         if isinstance(fn, bytes):
             fn, args, kwargs = _rebuild_job(fn)

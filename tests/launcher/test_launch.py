@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -294,38 +295,56 @@ def test_fork_with_cuda_initialised_says_restart(monkeypatch: pytest.MonkeyPatch
         launch(targets.world_info, 2, start_method="fork")
 
 
-@pytest.mark.usefixtures("no_process_may_start")
-def test_spawn_refuses_a_lambda() -> None:
-    with pytest.raises(TypeError, match="pickling failed.*start_method='fork'"):
-        launch(lambda rank, ws: rank, 2, start_method="spawn")
+NOTEBOOK_CODE = """
+import torch
+from fsdp_guide import launch
+
+SCALE = 3.0  # a global of the "notebook", sent along with the function
 
 
-@pytest.mark.usefixtures("no_process_may_start")
-def test_spawn_refuses_a_function_defined_in_a_notebook(monkeypatch: pytest.MonkeyPatch) -> None:
-    notebook_main = types.ModuleType("__main__")  # a kernel's __main__ has no __file__
+class Doubler(torch.nn.Module):  # a class defined in the notebook
+    def forward(self, x):
+        return 2 * x
 
-    def train(rank: int, world_size: int) -> int:
-        return rank
 
-    train.__module__ = "__main__"
-    monkeypatch.setitem(sys.modules, "__main__", notebook_main)
-    with pytest.raises(TypeError, match="defined interactively.*start_method='fork'"):
-        launch(train, 2, start_method="spawn")
+def train(rank, world_size, base):
+    return float(Doubler()(torch.tensor(base + rank)) * SCALE)
+
+
+if __name__ == "__main__":
+    print(launch(train, 2, args=(1.0,), backend="gloo", start_method="{method}"))
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "auto"])
+def test_spawn_runs_functions_and_classes_defined_in_a_notebook(method: str) -> None:
+    # ``python -c`` has a kernel's unnamed __main__ (no __file__); "auto" spawns without a
+    # terminal prompt, as it does in a notebook on a machine with a GPU.
+    code = NOTEBOOK_CODE.replace("{method}", method)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[6.0, 12.0]"
 
 
 @pytest.mark.usefixtures("no_process_may_start")
 def test_spawn_refuses_unpicklable_arguments() -> None:
-    with pytest.raises(TypeError, match="must pickle args"):
-        launch(targets.world_info, 2, args=(lambda: 0,), start_method="spawn")
+    with pytest.raises(TypeError, match="must pickle the function and its arguments.*_thread.lock"):
+        launch(targets.world_info, 2, args=(threading.Lock(),), start_method="spawn")
 
 
 def test_auto_start_method_forks_in_an_interactive_session(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
-    from fsdp_guide.launcher._checks import resolve_start_method
+    from fsdp_guide.launcher import _checks
 
-    assert resolve_start_method("auto") == "fork"
+    assert _checks.resolve_start_method("auto") == "fork"
+    # With a GPU visible a backward pass here would leave forked ranks unable to run one.
+    monkeypatch.setattr(_checks, "_gpu_count", lambda: 1)
+    assert _checks.resolve_start_method("auto") == "spawn"
+    monkeypatch.setattr(_checks, "_gpu_count", lambda: 0)
     monkeypatch.delattr(sys, "ps1")
-    assert resolve_start_method("auto") == "spawn"
+    assert _checks.resolve_start_method("auto") == "spawn"
 
 
 # --- torchrun: the same function, one process per rank started by torchrun -------------
@@ -472,3 +491,31 @@ def test_garbage_of_the_function_is_freed_on_the_main_thread_before_the_group_go
     )
     for rank in range(2):
         assert (tmp_path / f"rank{rank}").read_text() == "main, group"
+
+
+def test_a_forked_child_here_can_train() -> None:
+    from fsdp_guide.launcher._checks import _forked_child_works
+
+    assert _forked_child_works()
+
+
+@pytest.mark.usefixtures("no_process_may_start")
+def test_fork_is_refused_once_a_forked_child_could_not_train(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What a GPU machine looks like after a backward pass in the kernel.
+    from fsdp_guide.launcher import _checks
+
+    monkeypatch.setattr(_checks, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(_checks, "_forked_child_works", lambda: False)
+    with pytest.raises(RuntimeError, match="backward pass.*start_method='spawn'"):
+        launch(targets.world_info, 2, start_method="fork")
+
+
+def _visible_devices(rank: int, world_size: int) -> str | None:
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_a_gloo_rank_sees_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert launch(_visible_devices, 2, backend="gloo", start_method="fork") == ["", ""]
