@@ -110,13 +110,21 @@ def run(small: bool) -> list[str]:
         if small and engine == "fairscale":  # FairScale FSDP runs on CUDA only
             continue
         (m,) = launch(
-            peak_rank, 1, args=(config, engine, ac), backend=backend, start_method="spawn",
+            peak_rank,
+            1,
+            args=(config, engine, ac),
+            backend=backend,
+            start_method="spawn",
             timeout=300,
         )
         where = f"{m['device']} ({m['backend']})"
         p = plan(
-            lambda: TinyTransformer(config), batch_size=BATCH, seq_len=config.seq_len,
-            world_size=1, strategy=strategy, activation_checkpointing=ac,
+            lambda: TinyTransformer(config),
+            batch_size=BATCH,
+            seq_len=config.seq_len,
+            world_size=1,
+            strategy=strategy,
+            activation_checkpointing=ac,
         )
         rows.append(
             f"| {strategy} | {ac or 'none'} | {m['state'] / 1e6:,.1f} | {p.state.total / 1e6:,.1f}"
@@ -142,7 +150,8 @@ def run(small: bool) -> list[str]:
         "planned figure: `Plan.total` (state + activations + transient) and `Plan.step_peak`.",
         "",
         "| strategy | checkpointing | state measured | state planned | activations | transient"
-        " | Plan.total | Plan.step_peak | peak measured | peak / total | peak / step_peak | step s |",
+        " | Plan.total | Plan.step_peak | peak measured | peak / total | peak / step_peak"
+        " | step s |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *rows,
         "",
