@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 
@@ -26,12 +27,34 @@ def _is_multiprocessing_helper(proc: psutil.Process) -> bool:
     return any("multiprocessing.resource_tracker" in part for part in proc.cmdline())
 
 
+def is_mpi_singleton_daemon(proc: psutil.Process) -> bool:
+    """Open MPI's daemon of this process, started when ``mpi4py.MPI`` was imported here.
+
+    Importing ``mpi4py.MPI`` initialises MPI; a process not started by ``mpirun`` (a
+    singleton) then forks ``orted --hnp ... --singleton-died-pipe N``, which serves it until
+    it exits (it watches that pipe for its death). Lightning imports it wherever mpi4py is
+    installed, to ask whether it runs under MPI. It is no rank, and only a process that has
+    imported ``mpi4py.MPI`` can have one.
+    """
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    try:
+        return proc.name() == "orted" and "--singleton-died-pipe" in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
 def live_children() -> list[psutil.Process]:
-    """Child processes of this test process still running (zombies, mp helpers excluded)."""
+    """Child processes of this test process still running (zombies, mp helpers and MPI's
+    singleton daemon excluded)."""
     alive = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE and not _is_multiprocessing_helper(child):
+            if (
+                child.status() != psutil.STATUS_ZOMBIE
+                and not _is_multiprocessing_helper(child)
+                and not is_mpi_singleton_daemon(child)
+            ):
                 alive.append(child)
         except psutil.NoSuchProcess:
             pass

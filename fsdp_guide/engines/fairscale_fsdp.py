@@ -26,7 +26,7 @@ from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 from fsdp_guide.engines.fsdp1 import FSDP1
 from fsdp_guide.errors import EngineUnavailableError
 
-__all__ = ["FairScaleFSDP", "UnmutatedStateDict"]
+__all__ = ["FairScaleFSDP", "UnmutatedStateDict", "fairscale_checkpointing"]
 
 
 def _fairscale_fsdp_class() -> type[nn.Module] | None:
@@ -57,6 +57,79 @@ class UnmutatedStateDict:
         """The optimizer's state dict with fresh per-parameter entries."""
         state = self.optimizer.state_dict()
         return {**state, "state": {k: dict(v) for k, v in state["state"].items()}}
+
+
+def _unflattened_optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What ``gather_full_optim_state_dict`` returns, for a model on one rank.
+
+    FairScale sizes the buffers of that gather from each flat parameter's padded full copy,
+    which it allocates only when it shards (more than one rank): on one rank the gather
+    fails with an ``AttributeError``. There the optimizer already holds the whole state, so
+    it goes straight to FairScale's own unflattening, with what the gather would have passed.
+    """
+    from fairscale.nn.data_parallel.fsdp_optim_utils import (
+        build_unflat_state_dict,
+        is_singleton_tensor,
+    )
+    from fairscale.nn.data_parallel.fully_sharded_data_parallel import get_fsdp_instances
+
+    model._lazy_init()
+    # Turns each `step` into a number (hence the copies) and sets aside the state of units
+    # that keep theirs local (FairScale's `no_broadcast_optim_state`).
+    sd = model._remove_uncollectable_params_from_optim_state_dict(
+        UnmutatedStateDict(optimizer).state_dict()
+    )
+    state: dict[int, dict[str, list[Any]]] = {}
+    singleton: dict[int, dict[str, list[Any]]] = {}
+    for k, entries in sd.pop("state").items():
+        state[k], singleton[k] = {}, {}
+        for name, value in entries.items():
+            # Each a one-rank "gathered" list, on the host as the gather leaves it.
+            copy = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+            (singleton if is_singleton_tensor(value) else state)[k][name] = [copy]
+    units = get_fsdp_instances(model, skip_empty=True)
+    padding = [[list(unit.numel_padded_per_param) for unit in units]]  # zeros on one rank
+    full: dict[str, Any] = build_unflat_state_dict(
+        units, padding, state, singleton, model.uncollected_opt_state, sd
+    )
+    model.uncollected_opt_state = {}
+    return full
+
+
+def fairscale_checkpointing(module: nn.Module) -> nn.Module:
+    """``module`` with each layer in a PyTorch checkpoint wrapper checkpointed by FairScale.
+
+    PyTorch's ``CheckpointWrapper`` around a FairScale FSDP unit recomputes the unit's own
+    forward during backward (and stops it early, once it has what it needs), so FairScale
+    finds the unit still in its forward ("expected to be in states [BACKWARD_PRE,
+    BACKWARD_POST] but current state is TrainingState.FORWARD"). FairScale supports its own
+    ``checkpoint_wrapper`` inside the unit: it patches the layer's forward in place, the unit
+    wraps the layer, and only the layer runs again. The layer's state dict keys and the
+    saved activations stay the same.
+
+    Examples:
+        >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
+        >>> from fsdp_guide.wrap import checkpoint_layers
+        >>> model = checkpoint_layers(TinyTransformer(TransformerConfig(n_layers=1)), Block)
+        >>> type(model.blocks[0]).__name__
+        'CheckpointWrapper'
+        >>> model = fairscale_checkpointing(model)
+        >>> type(model.blocks[0]).__name__, model.blocks[0].forward.func.__name__
+        ('Block', '_checkpointed_forward')
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    if isinstance(module, CheckpointWrapper):
+        from fairscale.nn.checkpoint import checkpoint_wrapper
+
+        inner = fairscale_checkpointing(module.get_submodule("_checkpoint_wrapped_module"))
+        checkpointed: nn.Module = checkpoint_wrapper(inner)
+        return checkpointed
+    for name, child in module.named_children():
+        swapped = fairscale_checkpointing(child)
+        if swapped is not child:
+            setattr(module, name, swapped)
+    return module
 
 
 @dataclass(frozen=True)
@@ -113,9 +186,12 @@ class FairScaleFSDP(UnitEngine):
     ) -> dict[str, Any] | None:
         """The whole optimizer state gathered on rank 0 (collective); ``None`` elsewhere.
 
-        The live optimizer keeps its ``step`` tensors (see
-        ``UnmutatedStateDict`` in this module).
+        The live optimizer keeps its ``step`` tensors (see ``UnmutatedStateDict`` in this
+        module). On one rank nothing is gathered: FairScale's gather cannot run there, and
+        the optimizer's own state is already whole.
         """
+        if getattr(model, "world_size", 1) == 1:
+            return _unflattened_optimizer_state(model, optimizer)
         gather: Any = model.gather_full_optim_state_dict
         full: dict[str, Any] | None = gather(UnmutatedStateDict(optimizer))
         return full
@@ -200,6 +276,7 @@ class FairScaleFSDP(UnitEngine):
         from fairscale.nn import FullyShardedDataParallel
         from fairscale.nn.wrap import auto_wrap, enable_wrap
 
+        module = fairscale_checkpointing(module)  # the checkpointing FairScale supports
         if policy is not None:
             with enable_wrap(
                 wrapper_cls=FullyShardedDataParallel,
@@ -224,7 +301,8 @@ class FairScaleFSDP(UnitEngine):
     ) -> nn.Module:
         from fairscale.nn.wrap import wrap
 
-        wrapped: nn.Module = wrap(module, **overrides)  # the block's options are enable_wrap's
+        # The block's options are enable_wrap's; checkpointing as shard() does it.
+        wrapped: nn.Module = wrap(fairscale_checkpointing(module), **overrides)
         return wrapped
 
     @classmethod

@@ -112,7 +112,9 @@ def checkpoint_layers(
     FairScale's ``checkpoint_wrapper``, which also patches BatchNorm layers so their running
     statistics are updated once per step; the plain recomputation of PyTorch's wrapper runs
     BatchNorm's forward twice in training mode and updates ``running_mean``, ``running_var``
-    and ``num_batches_tracked`` twice.
+    and ``num_batches_tracked`` twice. FairScale's FSDP works only with its own: sharded with
+    ``engine="fairscale_fsdp"``, layers checkpointed by PyTorch's wrapper are checkpointed by
+    FairScale's instead, inside their unit.
 
     Args:
         model: The model; changed in place.

@@ -1,4 +1,8 @@
-"""Save, load into a fresh model and optimizer, and resume, for every strategy on 2 gloo ranks."""
+"""Save, load into a fresh model and optimizer, and resume, for every strategy on 2 gloo ranks.
+
+The rank function, :func:`checkpoint_helpers.save_load_resume`, lives in a helper module so that
+spawned (CUDA) ranks can import it.
+"""
 
 from __future__ import annotations
 
@@ -7,40 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-from checkpoint_helpers import build, count_tensors, differences, snapshot, train
+from checkpoint_helpers import save_load_resume
 
-from fsdp_guide import checkpoint, launch
+from fsdp_guide import launch
 
 WORLD = 2
-STEPS_BEFORE = 2
-STEPS_AFTER = 3
-
-
-def save_load_resume(rank: int, world_size: int, strategy: str, kind: str, path: str) -> Any:
-    """Train, save, go on 3 steps; then load into a fresh model and redo the 3 steps."""
-    torch.manual_seed(100 + rank)  # extra's RNG state must come back exactly
-    model, optimizer = build(strategy, seed=0)
-    train(model, optimizer, start=0, steps=STEPS_BEFORE)
-    extra = {"step": STEPS_BEFORE, "rng": torch.get_rng_state()}
-    checkpoint.save(path, model, optimizer, kind=kind, extra=extra)  # type: ignore[arg-type]
-    saved = snapshot(model, optimizer, strategy)
-    uninterrupted = train(model, optimizer, start=STEPS_BEFORE, steps=STEPS_AFTER)
-
-    fresh_model, fresh_optimizer = build(strategy, seed=1)  # other weights, no optimizer state
-    before_load = snapshot(fresh_model, fresh_optimizer, strategy)
-    restored_extra = checkpoint.load(path, fresh_model, fresh_optimizer)
-    loaded = snapshot(fresh_model, fresh_optimizer, strategy)
-    resumed = train(fresh_model, fresh_optimizer, start=restored_extra["step"], steps=STEPS_AFTER)
-    return {
-        "differences": differences(saved, loaded),
-        "fresh_differed": bool(differences(saved["model"], before_load["model"])),
-        "tensors": count_tensors(saved),
-        "optimizer_tensors": count_tensors(saved["optimizer"]),
-        "extra_ok": restored_extra["step"] == STEPS_BEFORE
-        and torch.equal(restored_extra["rng"], extra["rng"]),
-        "uninterrupted": uninterrupted,
-        "resumed": resumed,
-    }
 
 
 CASES = [

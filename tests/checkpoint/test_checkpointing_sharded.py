@@ -11,23 +11,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from saved_bytes_targets import STEPS, WORLD_SIZE, build, local_batch, measure_fairscale
 
 from fsdp_guide import launch
-from fsdp_guide.models import (
-    Block,
-    TinyTransformer,
-    TransformerConfig,
-    loss_fn,
-    shard_batch,
-    synthetic_batch,
-)
-from fsdp_guide.wrap import LayerPolicy, checkpoint_layers, saved_activation_bytes, shard
+from fsdp_guide.models import Block, loss_fn
+from fsdp_guide.wrap import LayerPolicy, saved_activation_bytes, shard
 
-CONFIG = TransformerConfig(vocab_size=64, dim=32, n_heads=2, n_layers=2, seq_len=16)
-GLOBAL_BATCH = 8
-WORLD_SIZE = 2
-STEPS = 2  # the second step runs with FSDP's lazy initialisation done
 # (name, engine, engine options): default resharding, and gathered weights kept after forward.
 SETTINGS: list[tuple[str, str, dict[str, Any]]] = [
     ("fsdp1", "torch", {}),
@@ -36,17 +25,6 @@ SETTINGS: list[tuple[str, str, dict[str, Any]]] = [
     ("fsdp2", "fsdp2", {}),
     ("fsdp2-no-reshard", "fsdp2", {"reshard_after_forward": False}),
 ]
-
-
-def build(checkpointed: bool) -> nn.Module:
-    torch.manual_seed(0)
-    model = TinyTransformer(CONFIG)
-    return checkpoint_layers(model, Block) if checkpointed else model
-
-
-def local_batch(rank: int, step: int) -> Any:
-    batch = synthetic_batch("transformer", GLOBAL_BATCH, step=step, config=CONFIG)
-    return shard_batch(batch, rank, WORLD_SIZE)
 
 
 def engine_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -108,34 +86,14 @@ def test_single_process_counts_differ_with_checkpointing() -> None:
     assert counts[1] < counts[0]
 
 
-def measure_fairscale(rank: int, world_size: int) -> dict[bool, dict[str, list[int]]]:
-    """FairScale FSDP (CUDA) against this rank's own unsharded count on the same GPU."""
-    results: dict[bool, dict[str, list[int]]] = {}
-    for checkpointed in (False, True):
-        batch = tuple(t.cuda() for t in local_batch(rank, 0))
-        plain = build(checkpointed).cuda()
-        expected, _ = saved_activation_bytes(plain, lambda: loss_fn(plain, batch))  # noqa: B023
-        model = shard(build(checkpointed).cuda(), engine="fairscale", policy=LayerPolicy(Block))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        counts = []
-        for step in range(STEPS):
-            step_batch = tuple(t.cuda() for t in local_batch(rank, step))
-            nbytes, loss = saved_activation_bytes(model, lambda: loss_fn(model, step_batch))  # noqa: B023
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            counts.append(nbytes)
-        results[checkpointed] = {"expected": [expected] * STEPS, "sharded": counts}
-    return results
-
-
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fairscale_fsdp_saved_bytes_equal_single_process() -> None:
     world_size = min(WORLD_SIZE, torch.cuda.device_count())
+    # Spawned: a forked child cannot use CUDA once an earlier test initialised it here.
     results = launch(
-        measure_fairscale, world_size, backend="nccl", start_method="fork", timeout=600
+        measure_fairscale, world_size, backend="nccl", start_method="spawn", timeout=600
     )
     for rank, result in enumerate(results):
         for checkpointed, counts in result.items():

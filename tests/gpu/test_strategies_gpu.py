@@ -71,6 +71,10 @@ def train(strategy: Any, module: pl.LightningModule, **kwargs: Any) -> pl.Traine
     options: dict[str, Any] = {
         "accelerator": "gpu",
         "devices": 1,
+        # Under any distributed strategy (world size 1 too) Lightning swaps the training
+        # loader's sampler for a DistributedSampler that shuffles, while the single-device
+        # reference reads in order: the runs compared would see other batches from step 1.
+        "use_distributed_sampler": False,
         "max_steps": 4,
         "logger": False,
         "enable_checkpointing": False,

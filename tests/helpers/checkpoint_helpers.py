@@ -1,6 +1,7 @@
 """Builders, training steps and exact comparisons shared by the checkpoint tests.
 
-Functions here run inside ranks started by ``fsdp_guide.launch(..., start_method="fork")``.
+Functions here run inside ranks started by ``fsdp_guide.launch``: forked on CPU, spawned for
+CUDA (a spawned rank imports the function it runs, so it must live in a module like this one).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_guide import checkpoint
 from fsdp_guide.models import TinyTransformer, TransformerConfig, loss_fn, shard_batch
 from fsdp_guide.models import synthetic_batch as make_batch
 
@@ -19,6 +21,8 @@ CONFIG = TransformerConfig(vocab_size=32, dim=16, n_heads=2, n_layers=2, seq_len
 GLOBAL_BATCH = 4
 LR = 1e-2
 REPLICATED = ("module", "ddp", "zero1", "oss", "sharded_ddp")
+STEPS_BEFORE = 2
+STEPS_AFTER = 3
 
 
 def _syncing_types() -> tuple[type, ...]:
@@ -136,6 +140,10 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, strategy: str) 
         return clone({"model": dict(model_state), "optimizer": dict(optim_state)})
     if strategy == "fairscale_fsdp":
         state = {"model": dict(model.state_dict())}
+        if model.world_size == 1:
+            # Its gather needs buffers FairScale allocates only when it shards (2+ ranks);
+            # on one rank the optimizer's own (flat) state is already the whole state.
+            return clone({**state, "optimizer": optimizer.state_dict()})
         # FairScale's gather turns the `step` tensors of the dict it is given into floats in
         # place, and optimizer.state_dict() shares its per-parameter dicts with the live
         # optimizer, whose next step() would then fail: hand it copies of those dicts.
@@ -199,3 +207,30 @@ def count_tensors(value: Any) -> int:
     if isinstance(value, list | tuple):
         return sum(count_tensors(v) for v in value)
     return 0
+
+
+def save_load_resume(rank: int, world_size: int, strategy: str, kind: str, path: str) -> Any:
+    """Train, save, go on 3 steps; then load into a fresh model and redo the 3 steps."""
+    torch.manual_seed(100 + rank)  # extra's RNG state must come back exactly
+    model, optimizer = build(strategy, seed=0)
+    train(model, optimizer, start=0, steps=STEPS_BEFORE)
+    extra = {"step": STEPS_BEFORE, "rng": torch.get_rng_state()}
+    checkpoint.save(path, model, optimizer, kind=kind, extra=extra)  # type: ignore[arg-type]
+    saved = snapshot(model, optimizer, strategy)
+    uninterrupted = train(model, optimizer, start=STEPS_BEFORE, steps=STEPS_AFTER)
+
+    fresh_model, fresh_optimizer = build(strategy, seed=1)  # other weights, no optimizer state
+    before_load = snapshot(fresh_model, fresh_optimizer, strategy)
+    restored_extra = checkpoint.load(path, fresh_model, fresh_optimizer)
+    loaded = snapshot(fresh_model, fresh_optimizer, strategy)
+    resumed = train(fresh_model, fresh_optimizer, start=restored_extra["step"], steps=STEPS_AFTER)
+    return {
+        "differences": differences(saved, loaded),
+        "fresh_differed": bool(differences(saved["model"], before_load["model"])),
+        "tensors": count_tensors(saved),
+        "optimizer_tensors": count_tensors(saved["optimizer"]),
+        "extra_ok": restored_extra["step"] == STEPS_BEFORE
+        and torch.equal(restored_extra["rng"], extra["rng"]),
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+    }
