@@ -86,10 +86,15 @@ def peak_rank(
         torch.cuda.synchronize(device)
         peak = int(torch.cuda.max_memory_allocated(device))
     else:  # the profiler's view of the same step, the state held before it included
+
+        def step() -> None:
+            optimizer.step()
+            optimizer.zero_grad()
+
         peak = record_step(
             lambda: loss_fn(model, batch),
             lambda loss: loss.backward(),
-            lambda: (optimizer.step(), optimizer.zero_grad()) and None,
+            step,
             state_before={"params": state.params, "optimizer": state.optimizer},
         ).peak
     return {
