@@ -7,6 +7,7 @@ one device Lightning runs the rank in the test process, so recorded losses are r
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,15 @@ class LegacyManualWrap(FSDPTransformer):
 
     def configure_sharded_model(self) -> None:
         self.wrap_blocks()
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left() -> Iterator[None]:
+    # Lightning initialises a process group in this process even for one device and leaves
+    # it up after fit; a later test's launch() would then refuse to start its ranks.
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def train(strategy: Any, module: pl.LightningModule, **kwargs: Any) -> pl.Trainer:
@@ -127,8 +137,8 @@ def test_cpu_offload_keeps_parameter_shards_on_cpu() -> None:
     trainer = train(strategy, module, precision="16-mixed")
     assert strategy.fsdp_config()["move_params_to_cpu"] and strategy.move_grads_to_cpu
     assert {p.device.type for p in trainer.strategy.model.parameters()} == {"cpu"}
-    assert all(math.isfinite(x) for x in module.losses)
-    assert module.losses[-1] < module.losses[0]
+    # fp16 compute against the fp32 single-device run (the loss does not fall every step).
+    assert_close(module.losses, reference_losses(), rtol=1e-2)
 
 
 @pytest.mark.parametrize("module_cls", [ManualWrap, LegacyManualWrap])
