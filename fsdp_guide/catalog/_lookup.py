@@ -128,9 +128,10 @@ def check_strategies(
             )
         if spec.needs_cuda:
             if cuda is None:
-                from fsdp_guide.launcher import visible_gpus
+                import torch
 
-                cuda = visible_gpus() > 0
+                # NVML's count where it works: is_available() would initialise CUDA here.
+                cuda = torch.cuda.device_count() > 0
             if not cuda:
                 raise ValueError(
                     f"strategy {spec.name!r} needs CUDA, and no GPU is visible; leave it out"

@@ -156,6 +156,12 @@ def _stand_ins(recorder: Recorder) -> dict[str, Any]:
 CASES: list[tuple[str, str, tuple[Any, ...]]] = [
     ("01_launching_multi_process_cells.ipynb", "train", (1,)),
     ("01_launching_multi_process_cells.ipynb", "train_digits", (1, 32)),
+    # the single-process reference, on the batches one rank saw (indices 0-63)
+    (
+        "01_launching_multi_process_cells.ipynb",
+        "train_digits_in_one_process",
+        ([{"seen": [list(range(64))]}], 1, 32),
+    ),
     ("02_optimizer_state_sharding.ipynb", "train", ("ddp",)),
     ("02_optimizer_state_sharding.ipynb", "train", ("oss",)),
     ("02_optimizer_state_sharding.ipynb", "train", ("zero1",)),

@@ -390,6 +390,8 @@ def test_bad_precision_fails_when_the_trainer_is_created(precision: str) -> None
 class _GatherLikeFairScale(torch.nn.Module):
     """Stands in for a FairScale FSDP root: its gather mutates ``step`` like FairScale 0.4.13."""
 
+    world_size = 2  # the gather runs only where FairScale shards
+
     def gather_full_optim_state_dict(self, optim: Any) -> dict[str, Any]:
         state = optim.state_dict()
         for per_param in state["state"].values():
