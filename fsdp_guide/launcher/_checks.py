@@ -227,9 +227,14 @@ def _forked_child_works() -> bool:
 def dumps_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bytes:
     """What a spawned rank runs, pickled: functions and classes of an unnamed ``__main__``
     (a notebook cell, ``python -c``) by value, everything importable by reference."""
+    job = (fn, args, dict(kwargs))
+    if getattr(sys.modules.get("__main__"), "__file__", None):
+        # A script: the spawned rank imports it again, so its names resolve there, and its
+        # globals (an open file, a lock) need not be picklable.
+        return pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
     import cloudpickle
 
-    return bytes(cloudpickle.dumps((fn, args, dict(kwargs)), protocol=pickle.HIGHEST_PROTOCOL))
+    return bytes(cloudpickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def check_picklable(

@@ -519,3 +519,31 @@ def _visible_devices(rank: int, world_size: int) -> str | None:
 def test_a_gloo_rank_sees_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert launch(_visible_devices, 2, backend="gloo", start_method="fork") == ["", ""]
+
+
+SCRIPT = """
+import threading
+
+from fsdp_guide import launch
+
+LOCK = threading.Lock()  # a global no pickle can carry: the spawned rank makes its own
+
+
+def train(rank, world_size):
+    with LOCK:
+        return rank
+
+
+if __name__ == "__main__":
+    print(launch(train, 2, backend="gloo", start_method="spawn"))
+"""
+
+
+def test_a_script_s_function_is_sent_by_name(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[0, 1]"
