@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_wrap_ranks import CONFIG, CONFIGURATIONS, POLICIES, build, run_fairscale
+from gpu_wrap_ranks import CONFIGURATIONS, run_fairscale
+from wrap_configurations import CONFIG, POLICIES, build
 
 from fsdp_guide import launch
 from fsdp_guide.models import count_params

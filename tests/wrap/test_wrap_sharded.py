@@ -10,42 +10,22 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch import nn
+from wrap_configurations import (
+    CONFIG,
+    GLOBAL_BATCH,
+    POLICIES,
+    STEPS,
+    build,
+    shard_configuration,
+    train,
+)
 
 from fsdp_guide import launch
-from fsdp_guide.models import (
-    Block,
-    TinyTransformer,
-    TransformerConfig,
-    count_params,
-    loss_fn,
-    shard_batch,
-    synthetic_batch,
-)
-from fsdp_guide.wrap import (
-    LayerPolicy,
-    SizePolicy,
-    WrapPolicy,
-    check_optimizer,
-    checkpoint_layers,
-    describe,
-    shard,
-    sharded_units,
-    wrap,
-    wrapping,
-)
+from fsdp_guide.models import count_params, loss_fn, synthetic_batch
+from fsdp_guide.wrap import describe, sharded_units
 
-CONFIG = TransformerConfig(vocab_size=64, dim=32, n_heads=2, n_layers=2, seq_len=16)
-STEPS = 5
-GLOBAL_BATCH = 4
 WORLD_SIZE = 2
 
-POLICIES: dict[str, WrapPolicy] = {
-    "size": SizePolicy(min_num_params=2_000),
-    "layer": LayerPolicy(Block),
-    "union": LayerPolicy(nn.Embedding) | SizePolicy(min_num_params=10_000),
-}
 # What each configuration must make units of, besides the root. Sizes in CONFIG: tok_emb and
 # head 2,048 parameters, pos_emb 512, a block 12,704 of which qkv 3,168, fc1 4,224, fc2 4,128;
 # so with 2,000 a block's remainder (1,184) stays with the root.
@@ -58,40 +38,6 @@ EXPECTED_UNITS = {
     "layer+checkpoint": {"blocks.0", "blocks.1"},
 }
 CONFIGURATIONS = list(EXPECTED_UNITS)
-
-
-def build() -> nn.Module:
-    torch.manual_seed(0)
-    return TinyTransformer(CONFIG)
-
-
-def train(model: nn.Module, rank: int, world_size: int) -> list[float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    check_optimizer(model, optimizer)
-    losses = []
-    for step in range(STEPS):
-        batch = synthetic_batch("transformer", GLOBAL_BATCH, step=step, config=CONFIG)
-        loss = loss_fn(model, shard_batch(batch, rank, world_size))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world_size)
-    return losses
-
-
-def shard_configuration(name: str, engine: str) -> nn.Module:
-    model = build()
-    if name == "manual":
-        with wrapping(engine=engine):  # type: ignore[arg-type]
-            model.blocks[1] = wrap(model.blocks[1])
-            model.head = wrap(model.head)
-            return wrap(model)
-    if name == "layer+checkpoint":
-        checkpoint_layers(model, Block)
-        return shard(model, engine=engine, policy=POLICIES["layer"])  # type: ignore[arg-type]
-    return shard(model, engine=engine, policy=POLICIES[name])  # type: ignore[arg-type]
 
 
 def run_all(rank: int, world_size: int, engine: str) -> dict[str, Any]:
