@@ -59,15 +59,18 @@ def test_the_planned_peak_of_a_step_is_the_measured_one_at_4_ranks(
     assert phase == planned.step_peak_phase, (RUNS[index], per_rank, planned.step_peak_phase)
 
 
-def _typical(measured: list[list[tuple[int, str]]], index: int) -> int:
-    return median_low(runs[index][0] for runs in measured)
+def _least(measured: list[list[tuple[int, str]]], index: int) -> int:
+    # A difference of two runs takes each run's lowest rank: the timing-dependent extras
+    # (+465,024 or +793,088 B on one or two ranks at once) can land on two of the four
+    # ranks in one run and on none in the other, and a median then takes one in.
+    return min(runs[index][0] for runs in measured)
 
 
 def test_what_resharding_to_pairs_adds_is_planned(measured: list[list[tuple[int, str]]]) -> None:
     # Two of the four blocks keep their half from forward to the peak (the two gathered
     # there were gathered from theirs): the difference to the default is planned exactly.
     default, pairs = (plan_run(*RUNS[i], batch=BATCH, world_size=WORLD) for i in (0, 2))
-    added = _typical(measured, 2) - _typical(measured, 0)
+    added = _least(measured, 2) - _least(measured, 0)
     planned_added = pairs.step_peak - default.step_peak
     assert added > 0 and planned_added > 0, (added, planned_added)
     assert abs(added - planned_added) < 0.05 * pairs.step_peak, (added, planned_added)
