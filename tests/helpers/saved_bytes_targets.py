@@ -12,18 +12,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from wrap_configurations import CONFIG
 
-from fsdp_guide.models import (
-    Block,
-    TinyTransformer,
-    TransformerConfig,
-    loss_fn,
-    shard_batch,
-    synthetic_batch,
-)
+from fsdp_guide.models import Block, TinyTransformer, loss_fn, shard_batch, synthetic_batch
 from fsdp_guide.wrap import LayerPolicy, checkpoint_layers, saved_activation_bytes, shard
 
-CONFIG = TransformerConfig(vocab_size=64, dim=32, n_heads=2, n_layers=2, seq_len=16)
 GLOBAL_BATCH = 8
 WORLD_SIZE = 2
 STEPS = 2  # the second step runs with FSDP's lazy initialisation done
