@@ -9,7 +9,8 @@ after ``reset_peak_memory_stats``). On CPU, torch's profiler records every alloc
 release of its CPU allocator with its size (``profile_memory=True``): tensors made by any
 op, storages grown or freed by ``resize_`` (FSDP frees and refills its gathered parameters
 that way), tensors read by ``torch.load``. Replaying those events in order gives the peak,
-exactly. Only what the block allocates is followed: the profiler cannot size a block
+exactly. Only the block's own thread is followed (a collective backend's worker threads
+are left out), and only what the block allocates: the profiler cannot size a block
 allocated before it started, so releasing one is not counted. Torch then logs a warning
 ("Memory block of unknown size ...") from C++, which is expected here and left out of the
 process's error output while the block runs (the rest of that output is passed on when
@@ -28,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+from fsdp_guide._own_allocations import own_allocations
 
 
 @dataclass
@@ -49,6 +52,8 @@ class Allocations:
     events: int = field(default=0, repr=False)
 
 
+# The record_function that marks the thread whose allocations are followed.
+_MARKER = "fsdp_guide:track_allocations"
 # What torch's CPU allocator logs when the profiler sees a release it cannot size.
 _UNSIZED_RELEASE = b"Memory block of unknown size was allocated before the profiling started"
 
@@ -94,8 +99,10 @@ def _replay(sizes: list[int]) -> tuple[int, int]:
 def track_allocations(device: torch.device | str | None = None) -> Iterator[Allocations]:
     """Follow the bytes allocated on ``device`` while the block runs; the peak comes at exit.
 
-    Allocations of every thread of this process are counted. Use it on one rank at a time
-    (each rank tracks its own process) around building, loading or saving a model. Garbage
+    The calling thread's allocations are counted, and their release on any thread; other
+    threads' are not (a collective backend's workers: gloo's staging copies, freed at
+    moments that differ from run to run). Use it on one rank at a time (each rank tracks
+    its own process) around building, loading or saving a model. Garbage
     left by earlier code is collected first, so that its release is not counted against
     the block.
 
@@ -132,23 +139,16 @@ def track_allocations(device: torch.device | str | None = None) -> Iterator[Allo
         return
     if dev.type != "cpu":
         raise ValueError(f"track_allocations follows the CPU or a CUDA device, not {dev}")
-    from torch._C._autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     # Kineto prints a banner line per profile at its default log level: keep it quiet.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with (
         _unsized_releases_unlogged(),
         profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+        record_function(_MARKER),
     ):
         yield seen
-    # The raw events, one per allocation or release; the summary of prof.events() folds
-    # those made inside an op into the op, which loses their order.
-    events = [
-        e
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
-    ]
-    events.sort(key=lambda e: e.start_ns())
-    seen.peak, seen.net = _replay([e.nbytes() for e in events])
-    seen.events = len(events)
+    own = own_allocations(prof, _MARKER, dev)
+    seen.peak, seen.net = _replay([size for _, size in own.events])
+    seen.events = len(own.events)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_guide._own_allocations import own_allocations
 from fsdp_guide.comm import payload_of
 
 #: The categories of a timeline, in the order tables and plots show them.
@@ -79,6 +80,12 @@ class StepTimeline:
         categorised: ``False`` where torch's memory profile could not sort the step's
             tensors (it rejects FSDP1's flat-parameter graphs): what the step allocates is
             then all counted as temporaries, its total still exact.
+        unreleased: Bytes the step allocated and had not released by its end, as the
+            profiler saw it. A step after the first releases all it allocates, so more
+            than 0 means a release went unseen: gloo's worker threads let go of a
+            collective's buffers after their work has run, where the profiler does not
+            follow them, and the buffer then looks held to the end. Such a step's peak can
+            carry a block it did not hold; record another.
 
     Examples:
         >>> t = StepTimeline(times_us=(0.0, 1.0), bytes={c: (1, 2) for c in CATEGORIES},
@@ -93,6 +100,7 @@ class StepTimeline:
     collectives: tuple[CollectiveEvent, ...]
     state_before: int
     categorised: bool = True
+    unreleased: int = 0
 
     @property
     def total(self) -> tuple[int, ...]:
@@ -221,45 +229,82 @@ def record_step(
             profiler.stop()
         if gc_was_enabled:
             gc.enable()
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    # Only the calling thread's allocations: gloo's worker threads allocate staging copies
+    # that they free at moments that differ from run to run.
+    own = own_allocations(profiler, f"{_MARK}forward", device)
     with tempfile.TemporaryDirectory() as tmp:
-        memory = os.path.join(tmp, "memory.json")
         trace = os.fspath(trace_path) if trace_path else os.path.join(tmp, "trace.json")
-        device = "cuda:0" if torch.cuda.is_available() else "cpu"
         profiler.export_chrome_trace(trace)
         with open(trace) as f:
             trace_json = json.load(f)
-        # The memory profile counts microseconds since the epoch; the trace from its own base.
-        base = float(trace_json.get("baseTimeNanoseconds", 0)) / 1000
-        try:
-            with _quiet():
-                profiler.export_memory_timeline(memory, device=device)
-            with open(memory) as f:
-                times, sizes = json.load(f)
-            categorised = True
-        except Exception:
-            # The memory profile rejects some graphs (an assertion on FSDP1's flat parameters,
-            # on DeepSpeed's hooks): the trace's allocation events still give the exact total,
-            # the step's own bytes uncategorised.
-            times, sizes = _uncategorised(trace_json["traceEvents"], base)
-            categorised = False
+    # The memory profile counts microseconds since the epoch; the trace from its own base.
+    base = float(trace_json.get("baseTimeNanoseconds", 0)) / 1000
+    try:
+        with _quiet():
+            times, sizes = _categorised(profiler, device, own.foreign)
+        categorised = True
+    except Exception:
+        # The memory profile rejects some graphs (an assertion on FSDP1's flat parameters,
+        # on DeepSpeed's hooks, now and then on FSDP2's): the allocation events still give
+        # the exact total, the step's own bytes uncategorised.
+        times, sizes = _uncategorised(own.events, base)
+        categorised = False
     timeline = _timeline(times, sizes, trace_json["traceEvents"], base, state_before)
-    return replace(timeline, categorised=categorised)
+    return replace(timeline, categorised=categorised, unreleased=own.unreleased)
+
+
+def _categorised(
+    profiler: torch.profiler.profile, device: torch.device, foreign: frozenset[int]
+) -> tuple[list[float], list[list[int]]]:
+    """Rows of bytes per column of the memory profile (what ``export_memory_timeline``
+    writes), without the blocks other threads allocated."""
+    from torch.profiler._memory_profiler import (
+        _CATEGORY_TO_INDEX,
+        Action,
+        MemoryProfileTimeline,
+        TensorKey,
+    )
+
+    profile = MemoryProfileTimeline(profiler._memory_profile())
+    times: list[float] = []
+    sizes: list[list[int]] = []
+    earliest = -1.0
+    for t_ns, action, (key, version), nbytes in profile.timeline:
+        if key.device != device:
+            continue
+        if isinstance(key, TensorKey) and key.storage.allocation_id in foreign:
+            continue
+        t = -1.0 if t_ns == -1 else float(t_ns // 1000)
+        if t > 0 and (earliest < 0 or t < earliest):
+            earliest = t
+        if not times or t != times[-1]:
+            times.append(t)
+            sizes.append(sizes[-1].copy() if sizes else [0] * len(_COLUMNS))
+
+        def add(v: int, delta: int, k: Any = key) -> None:
+            category = profile.categories.get(k, v) if isinstance(k, TensorKey) else None
+            sizes[-1][_CATEGORY_TO_INDEX[category] + 1] += int(delta)
+
+        if action in (Action.PREEXISTING, Action.CREATE):
+            add(version, nbytes)
+        elif action == Action.INCREMENT_VERSION:
+            add(version, -nbytes)
+            add(version + 1, nbytes)
+        else:
+            add(version, -nbytes)
+    return [earliest if t < 0 else t for t in times], sizes
 
 
 def _uncategorised(
-    events: list[dict[str, Any]], base: float
+    events: tuple[tuple[int, int], ...], base: float
 ) -> tuple[list[float], list[list[int]]]:
-    """Rows of the memory profile's shape from the trace's allocation events, all of them in
-    its last column (tensors it could not categorise)."""
-    allocations = sorted(
-        (float(e["ts"]), int(e["args"]["Bytes"]))
-        for e in events
-        if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0
-    )
+    """Rows of the memory profile's shape from the allocation events, all of them in its
+    last column (tensors it could not categorise)."""
     times, sizes, held = [base], [[0] * len(_COLUMNS)], 0
-    for ts, nbytes in allocations:
+    for t_ns, nbytes in events:
         held += nbytes
-        times.append(ts + base)
+        times.append(t_ns / 1000)
         sizes.append([0] * (len(_COLUMNS) - 1) + [held])
     return times, sizes
 

@@ -40,30 +40,52 @@ def build(strategy: str, settings: dict[str, Any]) -> tuple[torch.nn.Module, Any
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
-def measure_peaks(rank: int, world_size: int, runs: list[Run], batch: int) -> list[tuple[int, str]]:
-    """Each run's measured peak of its second step (the first creates Adam's state), and
-    the phase it falls in."""
+# Gloo's worker threads let go of a collective's buffers after their work has run, where the
+# profiler does not follow them: such a buffer looks held to the end of the step, and now and
+# then into its peak. A step where that happened shows it in ``unreleased``. Each run is
+# measured this many times; the tests take the attempt (on any rank) that lost fewest releases.
+ATTEMPTS = 3
+
+# One attempt: (bytes whose release went unseen, the peak, the phase of the peak).
+Attempt = tuple[int, int, str]
+
+
+def measure_peaks(
+    rank: int, world_size: int, runs: list[Run], batch: int, attempts: int = ATTEMPTS
+) -> list[list[Attempt]]:
+    """For each run, ``attempts`` measurements of its second step (the first creates Adam's
+    state), each on a model built afresh."""
     warnings.filterwarnings("ignore")
     out = []
     for strategy, settings in runs:
-        model, optimizer = build(strategy, settings)
-        data = shard_batch(synthetic_batch("transformer", batch), rank, world_size)
-        loss_fn(model, data).backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        optimizer.zero_grad()
-        state = measure_model_state(model, optimizer)
-        timeline = record_step(
-            lambda m=model, b=data: loss_fn(m, b),
-            lambda loss: loss.backward(),
-            lambda o=optimizer: (o.step(), o.zero_grad()),
-            state_before={
-                "params": state.params,
-                "grads": state.grads,
-                "optimizer": state.optimizer,
-            },
-        )
-        out.append((timeline.peak, timeline.phase_at(timeline.times_us[timeline.peak_index])))
+        tries = []
+        for _ in range(attempts):
+            model, optimizer = build(strategy, settings)
+            data = shard_batch(synthetic_batch("transformer", batch), rank, world_size)
+            loss_fn(model, data).backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            optimizer.zero_grad()
+            state = measure_model_state(model, optimizer)
+            timeline = record_step(
+                lambda m=model, b=data: loss_fn(m, b),
+                lambda loss: loss.backward(),
+                lambda o=optimizer: (o.step(), o.zero_grad()),
+                state_before={
+                    "params": state.params,
+                    "grads": state.grads,
+                    "optimizer": state.optimizer,
+                },
+            )
+            phase = timeline.phase_at(timeline.times_us[timeline.peak_index])
+            tries.append((timeline.unreleased, timeline.peak, phase))
+        out.append(tries)
     return out
+
+
+def best_attempt(per_rank: list[list[Attempt]]) -> Attempt:
+    """Of every rank's attempts at one run, the one that lost fewest releases (then the lowest
+    peak: a release lost can only raise it)."""
+    return min(attempt for attempts in per_rank for attempt in attempts)
 
 
 def plan_run(strategy: str, settings: dict[str, Any], *, batch: int, world_size: int) -> Any:

@@ -116,7 +116,10 @@ def test_no_sub_package_reaches_into_another_s_private_modules() -> None:
             parts = module.split(".")
             private = any(p.startswith("_") and p != "__init__" for p in parts[1:])
             owner = parts[1] if len(parts) > 2 else ""
-            if private and owner != mine:
+            # A private top-level module (``fsdp_guide._own_allocations``) is shared by the
+            # sub-packages as errors.py is, with no façade to go through.
+            shared = len(parts) == 2
+            if private and owner != mine and not shared:
                 found.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
     assert not found, "enter a sub-package through its façade:\n" + "\n".join(found)
 
