@@ -42,7 +42,9 @@ class Allocations:
         peak: The most bytes held at once of what the block allocated.
         net: Bytes the block allocated and still held when it ended. (On CUDA both are
             read from the allocator's counters, so releasing older memory counts against
-            them there.)
+            them there.) On CPU a release made by another thread where the profiler does
+            not follow it (gloo's workers dropping a collective's buffer) goes unseen, so
+            ``net`` can include a buffer that was in fact freed.
         events: Allocations and releases seen (0 on CUDA, where the allocator counts).
     """
 

@@ -264,3 +264,20 @@ def test_each_facade_name_is_documented_once_in_full(site: Path) -> None:  # noq
                 seen.setdefault(id(getattr(module, name)), []).append(sig_id)
     twice = [ids for ids in seen.values() if len(ids) > 1]
     assert twice == []
+
+
+def test_no_comment_for_maintainers_in_a_page_source() -> None:
+    """A MyST ``%`` comment or an HTML comment is not shown, but the page's source is
+    published next to it (and an HTML comment is copied into the page): notes on how a page
+    is made belong in the script that makes it."""
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    skip = {"_build", "_generated"}
+    found = []
+    for path in sorted(docs.rglob("*.md")):
+        if skip & set(path.relative_to(docs).parts):
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            marker = line.startswith(":start-after:") or line.startswith(":end-before:")
+            if line.startswith("%") or ("<!--" in line and not marker):
+                found.append(f"{path.relative_to(docs)}:{number}")
+    assert found == []
