@@ -190,12 +190,25 @@ def measure_and_plan_many(
     return [measure_and_plan(rank, world_size, name, strategy) for name, strategy in cases]
 
 
-def fsdp2_bf16_saved(rank: int, world_size: int, names: list[str]) -> list[tuple[int, int]]:
-    """On a launched rank: (measured, planned) saved bytes of each model under FSDP2 with
-    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, a unit per block."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def bf16_saved(
+    rank: int, world_size: int, names: list[str], strategy: str
+) -> list[tuple[int, int]]:
+    """On a launched rank: (measured, planned) saved bytes of each model in bf16 under
+    ``strategy``, run as users run it: FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16)``
+    and FSDP1 with ``MixedPrecision(param_dtype=bf16)``, a unit per block; DDP under
+    ``torch.autocast("cpu", dtype=torch.bfloat16)``."""
+    import contextlib
 
-    from fsdp_guide.engines import unit_names
+    from torch.distributed.fsdp import (
+        FullyShardedDataParallel,
+        MixedPrecision,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.nn.parallel import DistributedDataParallel
+
+    from fsdp_guide.engines import block_classes, unit_names
     from fsdp_guide.memory import plan
     from fsdp_guide.models import loss_fn
     from fsdp_guide.wrap import saved_activation_bytes
@@ -203,18 +216,38 @@ def fsdp2_bf16_saved(rank: int, world_size: int, names: list[str]) -> list[tuple
     pairs = []
     for name in names:
         model = builder(name)()
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-        for unit in unit_names(model):
-            fully_shard(model.get_submodule(unit), mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        autocast: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if strategy == "fsdp2":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+            for unit in unit_names(model):
+                fully_shard(model.get_submodule(unit), mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+        elif strategy == "fsdp":
+            # Each unit casts its inputs: ViT reads its dtype from a weight outside that
+            # weight's unit (fp32 there) and casts the root's bf16 pixels back to fp32.
+            model = FullyShardedDataParallel(
+                model,
+                auto_wrap_policy=ModuleWrapPolicy(set(block_classes(model))),
+                mixed_precision=MixedPrecision(
+                    param_dtype=torch.bfloat16, cast_forward_inputs=True
+                ),
+                device_id=torch.device("cpu"),
+                use_orig_params=True,
+            )
+        elif strategy == "ddp":
+            model = DistributedDataParallel(model)
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        else:
+            raise ValueError(f"no bf16 run for {strategy!r}")
         batch = batch_fn(name)(2, SEQ)
-        saved, _ = saved_activation_bytes(model, lambda: loss_fn(model, batch))  # noqa: B023
+        with autocast:
+            saved, _ = saved_activation_bytes(model, lambda: loss_fn(model, batch))  # noqa: B023
         planned = plan(
             builder(name),
             batch_size=2,
             seq_len=SEQ,
             world_size=world_size,
-            strategy="fsdp2",
+            strategy=strategy,
             precision="mixed",
             batch=batch_fn(name),
         )

@@ -143,11 +143,13 @@ def test_compare_wraps_as_told_and_predicts_it() -> None:
         assert dict(row.comm_predicted.payload) == row.comm_measured.elements_by_kind()
 
 
-def test_fsdp2_mixed_precision_saves_what_is_planned() -> None:
-    # FSDP2 casts the parameters to bf16: no autocast copies of the weights are saved.
-    from hf_models import fsdp2_bf16_saved
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp", "ddp"])
+def test_mixed_precision_saves_what_is_planned(strategy: str) -> None:
+    # FSDP1 and FSDP2 cast the parameters to bf16: no copies of the weights are saved. DDP
+    # runs under autocast, which saves the bf16 copy of each weight it casts.
+    from hf_models import bf16_saved
 
     (pairs, _) = launch(
-        fsdp2_bf16_saved, 2, args=(["llama", "vit"],), backend="gloo", start_method="fork"
+        bf16_saved, 2, args=(["llama", "vit"], strategy), backend="gloo", start_method="fork"
     )
     assert [planned for _, planned in pairs] == [saved for saved, _ in pairs]
