@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*$")
 _COUNT_SCALE = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -258,3 +260,71 @@ def seconds(text: str) -> float:
             f"must be a number of seconds above 0, at most 86400, got {shown(text)}"
         )
     return value
+
+
+#: The forms ``--wrap`` takes, named in each of its errors.
+WRAP_FORMS = (
+    "blocks, root, min_params=N (N such as 1e6 or 1M) or package.module:Class "
+    "(several comma-separated)"
+)
+
+
+@dataclass(frozen=True)
+class WrapArg:
+    """What ``--wrap`` asked for, read but not imported yet.
+
+    Attributes:
+        text: The value as given.
+        rule: ``"blocks"``, ``"root"``, ``"min_params"`` or ``"layers"``.
+        min_params: The smallest unit with ``"min_params"``.
+        classes: The ``package.module:Class`` paths with ``"layers"``.
+    """
+
+    text: str
+    rule: Literal["blocks", "root", "min_params", "layers"]
+    min_params: int = 0
+    classes: tuple[str, ...] = ()
+
+
+def wrap_policy(text: str) -> WrapArg:
+    """A ``type=`` for ``--wrap``: ``blocks``, ``root``, ``min_params=N`` or layer classes.
+
+    The classes are imported when the command runs.
+
+    Examples:
+        >>> wrap_policy("min_params=1M")
+        WrapArg(text='min_params=1M', rule='min_params', min_params=1000000, classes=())
+        >>> wrap_policy("a.b:Layer, c:Norm").classes
+        ('a.b:Layer', 'c:Norm')
+        >>> wrap_policy("min_params=0")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: min_params=N takes a whole count of at least 1 ...
+        >>> wrap_policy("layers")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: must be blocks, root, min_params=N (N such as 1e6 or 1M) ...
+    """
+    value = text.strip()
+    if value == "blocks":
+        return WrapArg(text=value, rule="blocks")
+    if value == "root":
+        return WrapArg(text=value, rule="root")
+    key, equals, raw = value.partition("=")
+    if equals and key.strip() == "min_params":
+        try:
+            number = count(raw)
+        except argparse.ArgumentTypeError:
+            number = 0.0
+        if number < 1 or not number.is_integer():  # SizePolicy counts whole elements
+            raise argparse.ArgumentTypeError(
+                f"min_params=N takes a whole count of at least 1 such as 1e6 or 1M, got "
+                f"{shown(text)}; --wrap takes {WRAP_FORMS}"
+            )
+        return WrapArg(text=value, rule="min_params", min_params=int(number))
+    paths = tuple(part.strip() for part in value.split(","))
+    for path in paths:
+        module, colon, name = path.partition(":")
+        if not (colon and module and name.isidentifier()):
+            raise argparse.ArgumentTypeError(f"must be {WRAP_FORMS}, got {shown(text)}")
+    return WrapArg(text=value, rule="layers", classes=paths)

@@ -17,6 +17,7 @@ from fsdp_guide.cli._args import (
     key_value,
     positive_size,
     seconds,
+    wrap_policy,
 )
 from fsdp_guide.memory import OptimizerName, Precision
 
@@ -105,6 +106,20 @@ def add_parser(sub: Any) -> None:
         metavar="LAYER",
         help="checkpoint each block (the repeated layer of the model), or each module of "
         "package.module:Class",
+    )
+    p.add_argument(
+        "--wrap",
+        type=wrap_policy,
+        default=None,
+        metavar="POLICY",
+        help="with --model or --hf: how the fully sharded strategies (fsdp, fsdp2, "
+        "fairscale_fsdp and their variants; deepspeed_zero3's gathered parameters follow it "
+        "too) cut the model into units gathered one at a time: blocks, a unit per transformer "
+        "block (default); root, the whole model one unit; min_params=N, a unit per module of "
+        "at least N parameters not in a smaller unit (N such as 1e6 or 1M); "
+        "package.module:Class, a unit per module of that class (several comma-separated), "
+        "e.g. transformers.models.llama.modeling_llama:LlamaDecoderLayer. The other "
+        "strategies have no units",
     )
     p.add_argument(
         "--margin", type=fraction, default=0.1, help="share of GPU memory kept free; default 0.1"
@@ -217,12 +232,17 @@ def _count(num_params: float) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.model is None and args.hf is None and args.tensor_parallel > 1:
-        from fsdp_guide.errors import CommandError
+    from fsdp_guide.errors import CommandError
 
+    if args.model is None and args.hf is None and args.tensor_parallel > 1:
         raise CommandError(
             "--tensor-parallel needs a real model (--model package.module:builder): the layers "
             "it cuts come from the model's tp_plan"
+        )
+    if args.model is None and args.hf is None and args.wrap is not None:
+        raise CommandError(
+            "--wrap needs a real model (--model package.module:builder or --hf TYPE): its units "
+            "are the model's modules, which --params does not have"
         )
     if args.model is not None or args.hf is not None:
         from fsdp_guide.cli._estimate_model import run_model

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+from fsdp_guide.cli._args import WRAP_FORMS, WrapArg
 from fsdp_guide.errors import CommandError
 
 
@@ -134,6 +135,70 @@ def _checkpointing(value: str | None, model: Any) -> Any:
     return layer
 
 
+def wrap_rule(arg: WrapArg | None) -> Any:
+    """The ``policy`` of :func:`fsdp_guide.memory.plan` that ``--wrap`` asks for (classes imported).
+
+    Raises:
+        CommandError: When a class cannot be imported or is not an ``nn.Module`` subclass.
+
+    Examples:
+        >>> from fsdp_guide.cli._args import wrap_policy
+        >>> wrap_rule(None), wrap_rule(wrap_policy("root"))
+        ('blocks', 'root')
+        >>> wrap_rule(wrap_policy("min_params=2k")), wrap_rule(wrap_policy("torch.nn:Linear"))
+        (SizePolicy(min_num_params=2000), LayerPolicy(Linear))
+        >>> wrap_rule(wrap_policy("os:path"))
+        Traceback (most recent call last):
+        ...
+        fsdp_guide.errors.CommandError: --wrap os:path: os.path is a module, not an nn.Module ...
+    """
+    from torch import nn
+
+    from fsdp_guide.wrap import LayerPolicy, SizePolicy
+
+    if arg is None:
+        return "blocks"
+    if arg.rule in ("blocks", "root"):
+        return arg.rule
+    if arg.rule == "min_params":
+        return SizePolicy(min_num_params=arg.min_params)
+    classes: list[type[nn.Module]] = []
+    for path in arg.classes:
+        module_name, _, name = path.partition(":")
+        try:
+            layer = getattr(_import(module_name), name, None)
+        except CommandError as exc:
+            raise CommandError(f"--wrap {path}: {exc}; --wrap takes {WRAP_FORMS}") from exc
+        if not (isinstance(layer, type) and issubclass(layer, nn.Module)):
+            found = (
+                f"module {module_name} has no attribute {name!r}"
+                if layer is None
+                else f"{module_name}.{name} is a {type(layer).__name__}, not an nn.Module class"
+            )
+            raise CommandError(f"--wrap {path}: {found}; --wrap takes {WRAP_FORMS}")
+        classes.append(layer)
+    return LayerPolicy(*classes)
+
+
+def _check_layers(policy: Any, model: Any, text: str) -> None:
+    """A layer class that ``model`` does not hold would leave one unit: say so instead."""
+    from fsdp_guide.engines import block_classes
+    from fsdp_guide.wrap import LayerPolicy
+
+    if not isinstance(policy, LayerPolicy):
+        return
+    missing = [
+        c for c in policy.layer_classes if not any(isinstance(m, c) for m in model.modules())
+    ]
+    if missing:
+        blocks = ", ".join(c.__name__ for c in block_classes(model)) or "none found"
+        raise CommandError(
+            f"--wrap {text}: no module of {type(model).__name__} is a "
+            f"{', '.join(c.__name__ for c in missing)}; name a class it holds (its blocks: "
+            f"{blocks}), or write --wrap blocks or --wrap root"
+        )
+
+
 def repeated_block(model: Any) -> type | None:
     """The class of the layers a ``ModuleList`` of ``model`` repeats, the most parameters first.
 
@@ -204,6 +269,7 @@ def _bf16_kind(strategy: str, precision: str) -> Literal["params", "autocast"]:
 def run_model(args: argparse.Namespace) -> int:
     """Plan ``args.model`` for each strategy; print a table (or JSON) and a recommendation."""
     from fsdp_guide.catalog import STRATEGIES
+    from fsdp_guide.engines import engine_for, follows_units
     from fsdp_guide.errors import MissingRequirementError, PlanError
     from fsdp_guide.inputs import default_seq_len, example_batch
     from fsdp_guide.memory import Plan, build_on_meta, plan, traced_activation_bytes
@@ -212,6 +278,13 @@ def run_model(args: argparse.Namespace) -> int:
     tp = getattr(args, "tensor_parallel", 1)
     names = args.strategy or (["fsdp2"] if tp > 1 else list(STRATEGIES))
     plans: list[Plan] = []
+    with_units = [name for name in names if follows_units(engine_for(name))]
+    if args.wrap is not None and not with_units:
+        raise CommandError(
+            f"--wrap changes only the strategies that cut the model into units (fsdp, fsdp2, "
+            f"fairscale_fsdp and their variants, deepspeed_zero3); --strategy "
+            f"{','.join(names)} has none of them"
+        )
     what = f"importing, building and tracing {args.model or args.hf}"
     # Tracing imports some 800 modules on first use: done here, before the time limit, since
     # a limit that stopped an import half-way would leave this process with a broken module.
@@ -220,7 +293,9 @@ def run_model(args: argparse.Namespace) -> int:
         # The user's code (import, builder, forward) runs under the time limit.
         with time_limit(args.build_timeout, what), _quiet_transformers():
             builder, label = _source(args)
+            policy = wrap_rule(args.wrap)  # its classes imported before the model is built
             model = build_on_meta(builder)
+            _check_layers(policy, model, args.wrap.text if args.wrap else "")
             checkpointing = _checkpointing(args.activation_checkpointing, model)
             batch = example_batch(model, args.input or ())
             seq_len = args.seq_len or (default_seq_len(model) if batch.uses_seq_len else 1)
@@ -254,12 +329,17 @@ def run_model(args: argparse.Namespace) -> int:
                     activations=traces.get(_bf16_kind(name, args.precision)),
                     tensor_parallel=tp,
                     batch=batch.build,
+                    policy=policy,
                 )
             )
     except (PlanError, MissingRequirementError) as exc:
         raise CommandError(str(exc)) from exc
     sizes = f"B={args.batch_size}" + (f", S={seq_len}" if batch.uses_seq_len else "")
     used = f"model: {type(model).__name__} ({label}); batch per rank ({sizes}): {batch.description}"
+    if with_units:  # the same cut for each of them
+        rule = args.wrap.text if args.wrap else "blocks"
+        units = next(p.units for p in plans if p.units)
+        used += f"\nunits: {units}, for {', '.join(with_units)} (--wrap {rule})"
     if args.json:
         rows = []
         for p in plans:

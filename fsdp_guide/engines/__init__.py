@@ -63,9 +63,11 @@ from fsdp_guide.engines._units import (
     UnitRule,
     UnitView,
     block_classes,
+    follows_units,
     model_shape,
     unit_names,
     unit_shapes,
+    unit_summary,
 )
 from fsdp_guide.engines.ddp import DDP
 from fsdp_guide.engines.deepspeed import DeepSpeedZero, deepspeed_layout
@@ -109,6 +111,7 @@ __all__ = [
     "detect",
     "engine_class",
     "engine_for",
+    "follows_units",
     "get_engine",
     "get_unit_engine",
     "kept_fresh",
@@ -118,6 +121,7 @@ __all__ = [
     "unit_names",
     "unit_of",
     "unit_shapes",
+    "unit_summary",
     "with_wrap",
     "without_state",
     "wrap_for_strategy",

@@ -220,3 +220,62 @@ def model_shape(model: nn.Module, rule: UnitRule | UnitPolicy = "blocks") -> Mod
     """
     units = unit_shapes(model, unit_names(model, rule))
     return ModelShape(units=units, buffers=sum(b.numel() for b in model.buffers()))
+
+
+def follows_units(engine: Engine) -> bool:
+    """Whether a plan of ``engine`` depends on how the model is cut into units.
+
+    The FSDP engines (every :class:`UnitEngine`, their variants that do not shard parameters
+    included: FSDP1 pads a flat parameter per unit) and any other engine that gathers
+    parameters in the step (DeepSpeed ZeRO-3, whose largest gathered piece is planned as the
+    largest unit).
+
+    Examples:
+        >>> from fsdp_guide.engines import engine_for
+        >>> [follows_units(engine_for(s)) for s in ("ddp", "fsdp_no_shard", "fsdp2")]
+        [False, True, True]
+    """
+    return isinstance(engine, UnitEngine) or engine.stage_at_step >= 3
+
+
+def unit_summary(model: nn.Module, names: Sequence[str], rule: UnitRule | UnitPolicy) -> str:
+    """The units ``rule`` makes of ``model`` in words: their classes and counts, and the root.
+
+    Args:
+        model: The unwrapped model.
+        names: The units besides the root, as :func:`unit_names` gives them for ``rule``.
+        rule: ``"blocks"``, ``"root"`` or the wrap policy that chose ``names``.
+
+    Examples:
+        >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
+        >>> from fsdp_guide.wrap import SizePolicy
+        >>> model = TinyTransformer(TransformerConfig(n_layers=2, dim=32, n_heads=2))
+        >>> unit_summary(model, unit_names(model), "blocks")
+        'a unit per Block (2) + the root'
+        >>> unit_summary(model, [], "root")
+        'the whole model (root)'
+        >>> policy = SizePolicy(min_num_params=5_000)
+        >>> unit_summary(model, unit_names(model, policy), policy)
+        'a unit per module of >= 5,000 parameters not in a smaller unit: Embedding (1), Block ...'
+    """
+    if not names:
+        if rule == "root":
+            return "the whole model (root)"
+        if rule == "blocks":
+            return "the whole model (root): no transformer block found"
+        return f"the whole model (root): {rule!r} selects no module"
+    counts: dict[str, int] = {}
+    for name in names:
+        kind = type(model.get_submodule(name)).__name__
+        counts[kind] = counts.get(kind, 0) + 1
+    classes = ", ".join(f"{kind} ({n})" for kind, n in counts.items())
+    from fsdp_guide.wrap import LayerPolicy, SizePolicy  # the wrap package imports engines
+
+    if rule == "blocks" or isinstance(rule, LayerPolicy):
+        return f"a unit per {classes} + the root"
+    if isinstance(rule, SizePolicy):
+        return (
+            f"a unit per module of >= {rule.min_num_params:,} parameters not in a smaller "
+            f"unit: {classes} + the root"
+        )
+    return f"{rule!r}: {classes} + the root"

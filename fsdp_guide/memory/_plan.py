@@ -37,7 +37,11 @@ from fsdp_guide.engines import (
     UnitPolicy,
     UnitRule,
     engine_for,
+    follows_units,
     model_shape,
+    unit_names,
+    unit_shapes,
+    unit_summary,
 )
 from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher import check_world_size
@@ -98,6 +102,9 @@ class Plan:
         tensor_parallel: Ranks of each tensor-parallel group (1: none); the state,
             activations and communication are then those of one rank of a
             ``(world_size // tensor_parallel, tensor_parallel)`` mesh.
+        units: How the model is cut into units, in words (``"a unit per Block (2) + the
+            root"``, ``"the whole model (root)"``), for a strategy whose figures follow the
+            cut (``plan``'s ``policy``); empty for the others.
     """
 
     strategy: str
@@ -116,6 +123,7 @@ class Plan:
     step_peak_phase: str = ""
     step_peak_kind: str = ""
     tensor_parallel: int = 1
+    units: str = ""
 
     @property
     def fullest_rank(self) -> int:
@@ -179,6 +187,7 @@ class Plan:
             "total": self.rank_total(index) if self.ranks else self.total,
             "step_peak": self.step_peak,
             "tensor_parallel": self.tensor_parallel,
+            "units": self.units,
         }
 
 
@@ -243,7 +252,7 @@ def plan(
             else the repeated children of a ``ModuleList``; what the catalog's FSDP
             strategies do), ``"root"`` (the whole model one unit) or a
             :class:`fsdp_guide.wrap.WrapPolicy`. It decides FSDP1's padding, the largest
-            gathered unit and what is gathered twice.
+            gathered unit and what is gathered twice; :attr:`Plan.units` says the cut.
         tensor_parallel: Ranks per tensor-parallel group, ``t``: the ranks form a
             ``(world_size // t, t)`` mesh, tensor parallelism cuts the layers of ``tp_plan``
             over its second dimension and the strategy (``"fsdp2"`` only) shards over the
@@ -316,9 +325,12 @@ def plan(
         model = local_model(model, tp, cut)
     dp = world_size // tp
     try:
-        shape = model_shape(model, policy)
+        names = unit_names(model, policy)
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
+    shape = ModelShape(
+        units=unit_shapes(model, names), buffers=sum(b.numel() for b in model.buffers())
+    )
     local_params = shape.num_params
     dp_ranks, exact = state_per_rank(engine, shape, dp, precision, optimizer)
     ranks = tuple(dp_ranks[r // tp] for r in range(world_size))  # the mesh is row-major
@@ -377,4 +389,5 @@ def plan(
         step_peak_phase=peak.phase,
         step_peak_kind=peak.kind,
         tensor_parallel=tp,
+        units=unit_summary(model, names, policy) if follows_units(engine) else "",
     )

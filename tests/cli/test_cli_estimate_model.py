@@ -46,6 +46,7 @@ def test_json_one_object_per_strategy_and_rank(capsys: pytest.CaptureFixture[str
     assert len({r["optimizer"] for r in zero1}) > 1
     assert [r["fits"] for r in zero1] == [want.rank_total(r) <= 9e6 for r in range(4)]
     assert all(isinstance(r[k], int) for r in rows for k in ("params", "activations", "total"))
+    assert all(r["units"] == "" for r in rows)  # neither strategy cuts the model into units
 
 
 def test_a_layer_class_to_checkpoint(capsys: pytest.CaptureFixture[str]) -> None:

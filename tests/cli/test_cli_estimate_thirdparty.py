@@ -49,10 +49,13 @@ def test_json_equals_the_python_api_and_names_the_batch(
     assert rows == want
     assert rows[0]["activations"] > 0
     sizes = "B=2, S=16" if name not in ("vit", "cnn") else "B=2"
-    assert captured.err.strip() == (
+    # The units line: the cut fsdp2 was planned with (ddp has none), as the rows say it.
+    assert [row["units"] for row in rows[::2]] == ["", want[2]["units"]]
+    assert captured.err.splitlines() == [
         f"model: {type(builder()).__name__} (tiny_hf:{name}); batch per rank ({sizes}): "
-        f"{BATCHES[name]}"
-    )
+        f"{BATCHES[name]}",
+        f"units: {want[2]['units']}, for fsdp2 (--wrap blocks)",
+    ]
 
 
 def test_gpt2_tied_head_counted_once(capsys: pytest.CaptureFixture[str]) -> None:
@@ -70,9 +73,10 @@ def test_gpt2_tied_head_counted_once(capsys: pytest.CaptureFixture[str]) -> None
 def test_table_says_which_batch(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", "--model", "tiny_hf:llama", "--strategy", "fsdp2"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[-1] == (
-        f"model: LlamaForCausalLM (tiny_hf:llama); batch per rank (B=1, S=64): {BATCHES['llama']}"
-    )
+    assert out[-2:] == [
+        f"model: LlamaForCausalLM (tiny_hf:llama); batch per rank (B=1, S=64): {BATCHES['llama']}",
+        "units: a unit per LlamaDecoderLayer (2) + the root, for fsdp2 (--wrap blocks)",
+    ]
 
 
 def test_hf_type_and_config_fields_build_the_same_model(
