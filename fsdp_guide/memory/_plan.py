@@ -40,7 +40,6 @@ from fsdp_guide.engines import (
     follows_units,
     model_shape,
     unit_names,
-    unit_shapes,
     unit_summary,
 )
 from fsdp_guide.errors import PlanError
@@ -326,11 +325,9 @@ def plan(
     dp = world_size // tp
     try:
         names = unit_names(model, policy)
+        shape = model_shape(model, policy)
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
-    shape = ModelShape(
-        units=unit_shapes(model, names), buffers=sum(b.numel() for b in model.buffers())
-    )
     local_params = shape.num_params
     dp_ranks, exact = state_per_rank(engine, shape, dp, precision, optimizer)
     ranks = tuple(dp_ranks[r // tp] for r in range(world_size))  # the mesh is row-major
