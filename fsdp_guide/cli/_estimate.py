@@ -143,6 +143,12 @@ def add_parser(sub: Any) -> None:
         help="with --model: ranks per tensor-parallel group, FSDP2 on the other mesh dimension "
         "(the model's tp_plan says which layers are cut); default 1",
     )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tensor-parallel: cut the norms and the residual stream along the sequence "
+        "over the tensor-parallel ranks too",
+    )
     p.add_argument("--precision", choices=get_args(Precision), default="mixed")
     p.add_argument("--optimizer", choices=get_args(OptimizerName), default="adam")
     p.add_argument(
@@ -243,6 +249,11 @@ def _run(args: argparse.Namespace) -> int:
         raise CommandError(
             "--wrap needs a real model (--model package.module:builder or --hf TYPE): its units "
             "are the model's modules, which --params does not have"
+        )
+    if args.sequence_parallel and args.tensor_parallel == 1:
+        raise CommandError(
+            "--sequence-parallel cuts the sequence over the tensor-parallel ranks: pass "
+            "--tensor-parallel T (T > 1) with --model as well"
         )
     if args.model is not None or args.hf is not None:
         from fsdp_guide.cli._estimate_model import run_model

@@ -328,6 +328,7 @@ def run_model(args: argparse.Namespace) -> int:
                     optimizer=args.optimizer,
                     activations=traces.get(_bf16_kind(name, args.precision)),
                     tensor_parallel=tp,
+                    sequence_parallel=getattr(args, "sequence_parallel", False),
                     batch=batch.build,
                     policy=policy,
                 )

@@ -47,9 +47,12 @@ from fsdp_guide.launcher import check_world_size
 from fsdp_guide.memory._predict import state_per_rank
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._tp import (
+    check_sp,
     check_tp,
     cut_layers,
     local_model,
+    sequence_parallel_model,
+    sp_elements,
     tp_all_reduce_elements,
     tp_plan_of,
 )
@@ -104,6 +107,8 @@ class Plan:
         units: How the model is cut into units, in words (``"a unit per Block (2) + the
             root"``, ``"the whole model (root)"``), for a strategy whose figures follow the
             cut (``plan``'s ``policy``); empty for the others.
+        sequence_parallel: Whether the norms and the residual stream are cut along the
+            sequence over the tensor-parallel ranks too.
     """
 
     strategy: str
@@ -123,6 +128,7 @@ class Plan:
     step_peak_kind: str = ""
     tensor_parallel: int = 1
     units: str = ""
+    sequence_parallel: bool = False
 
     @property
     def fullest_rank(self) -> int:
@@ -187,6 +193,7 @@ class Plan:
             "step_peak": self.step_peak,
             "tensor_parallel": self.tensor_parallel,
             "units": self.units,
+            "sequence_parallel": self.sequence_parallel,
         }
 
 
@@ -228,6 +235,7 @@ def plan(
     tensor_parallel: int = 1,
     tp_plan: Mapping[str, str] | None = None,
     settings: Mapping[str, Any] | None = None,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -263,6 +271,14 @@ def plan(
         tp_plan: Layer name (or ``fnmatch`` pattern) to ``"colwise"`` or ``"rowwise"``; by
             default the model's own ``tp_plan`` attribute (:data:`fsdp_guide.parallel.TP_PLAN`
             for :class:`fsdp_guide.parallel.ParallelTransformer`).
+        sequence_parallel: With ``tensor_parallel > 1``, plan the layout of
+            ``fsdp_guide.parallel.parallelize(..., sequence_parallel=True)``: the norms, the
+            residual stream and the blocks' inputs cut along the sequence (``seq_len / t``
+            tokens per rank). The state is unchanged (no parameter is cut further); the
+            activations outside the tensor-parallel regions shrink by ``t``; the forward
+            all-reduce of each rowwise layer becomes a reduce-scatter, each cut module's input
+            and the head's input are all-gathered, backward mirrors them, and the norms'
+            replicated weights have their gradients all-reduced over ``tp``.
 
     Returns:
         A :class:`Plan`.
@@ -271,7 +287,8 @@ def plan(
         PlanError: Unknown strategy, bad sizes, more than ``MAX_RANKS`` (2**20) ranks, a failing
             builder, CPU offload with a strategy that does not shard parameters; a
             tensor-parallel degree that does not divide the ranks or the cut layers, with a
-            strategy other than ``"fsdp2"``, or without a plan.
+            strategy other than ``"fsdp2"``, or without a plan; ``sequence_parallel``
+            without tensor parallelism or with a ``seq_len`` that does not divide by it.
 
     Examples:
         >>> from fsdp_guide.memory import predict_model_state
@@ -317,11 +334,17 @@ def plan(
     num_params = sum(p.numel() for p in model.parameters())
     if num_params == 0:
         raise PlanError(f"{type(model).__name__} has no parameters to train")
-    tp, tp_elements = check_tp(engine, world_size, tensor_parallel), 0
+    tp = check_tp(engine, world_size, tensor_parallel)
+    sp = check_sp(sequence_parallel, tp, seq_len)
+    tp_payload: dict[str, int] = {}
     if tp > 1:  # from here on, the model is what one rank of a tensor-parallel group computes
         cut = cut_layers(model, tp, tp_plan_of(model, tp_plan))
-        tp_elements = tp_all_reduce_elements(model, cut, batch_size, seq_len)
-        model = local_model(model, tp, cut)
+        if sp:
+            tp_payload = sp_elements(model, cut, batch_size, seq_len)
+            model = sequence_parallel_model(local_model(model, tp, cut), tp, cut)
+        else:
+            tp_payload = {"all_reduce": tp_all_reduce_elements(model, cut, batch_size, seq_len)}
+            model = local_model(model, tp, cut)
     dp = world_size // tp
     try:
         names = unit_names(model, policy)
@@ -352,11 +375,15 @@ def plan(
     dtype = "bf16" if precision == "mixed" else "fp32"
     communication = predict_communication(spec.name, local_params, dp, dtype, shape=shape)
     if tp > 1:
+        # FSDP2's collectives over dp, tensor (and sequence) parallelism's over tp, by kind.
+        payload = dict(communication.payload)
+        for kind, elements in tp_payload.items():
+            payload[kind] = payload.get(kind, 0) + elements
         communication = replace(
             communication,
             num_params=num_params,
             world_size=world_size,
-            payload={**communication.payload, "all_reduce": tp_elements},
+            payload=payload,
             group_sizes={**communication.group_sizes, "all_reduce": tp},
         )
     sizes = StepSizes(
@@ -387,4 +414,5 @@ def plan(
         step_peak_kind=peak.kind,
         tensor_parallel=tp,
         units=unit_summary(model, names, policy) if follows_units(engine) else "",
+        sequence_parallel=sp,
     )

@@ -21,7 +21,7 @@ import copy
 import fnmatch
 from collections.abc import Mapping
 
-from torch import nn
+from torch import Tensor, nn
 
 from fsdp_guide.engines import Engine
 from fsdp_guide.errors import PlanError
@@ -131,3 +131,132 @@ def tp_plan_of(model: nn.Module, tp_plan: Mapping[str, str] | None) -> Mapping[s
             f"{type(model).__name__} has no tp_plan: pass tp_plan={{'layer': 'colwise', ...}}"
         )
     return found
+
+
+#: The norms sequence parallelism runs on a rank's tokens, with replicated weights.
+NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
+def check_sp(sequence_parallel: bool, tp: int, seq_len: int) -> bool:
+    """``sequence_parallel``, checked: it needs ``tp > 1`` and a sequence that divides by it."""
+    if not isinstance(sequence_parallel, bool):
+        raise PlanError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+    if sequence_parallel and tp == 1:
+        raise PlanError(
+            "sequence_parallel=True cuts the sequence over the tensor-parallel ranks: "
+            "pass tensor_parallel > 1 as well"
+        )
+    if sequence_parallel and seq_len % tp:
+        raise PlanError(
+            f"seq_len={seq_len} is not divisible by tensor_parallel={tp}: sequence "
+            "parallelism gives each rank seq_len / tensor_parallel tokens; choose a seq_len "
+            "that divides"
+        )
+    return sequence_parallel
+
+
+def _gathered(model: nn.Module, cut: Mapping[str, str]) -> dict[str, int]:
+    """The modules whose input sequence parallelism all-gathers once (the parents of the
+    colwise layers: ``blocks.0.attention``), name to input features."""
+    gathered: dict[str, int] = {}
+    for name, style in cut.items():
+        layer = model.get_submodule(name)
+        assert isinstance(layer, nn.Linear)
+        if style == "colwise":
+            gathered.setdefault(name.rpartition(".")[0], layer.in_features)
+    return gathered
+
+
+def _width(model: nn.Module, cut: Mapping[str, str]) -> int:
+    """The residual stream's features: what every rowwise layer returns to."""
+    widths = {
+        layer.out_features
+        for name, style in cut.items()
+        if style == "rowwise" and isinstance(layer := model.get_submodule(name), nn.Linear)
+    }
+    if len(widths) != 1:
+        raise PlanError(
+            f"sequence parallelism needs rowwise layers that all return the residual stream's "
+            f"width, got out_features {sorted(widths)}"
+        )
+    return widths.pop()
+
+
+def sp_elements(
+    model: nn.Module, cut: Mapping[str, str], batch_size: int, seq_len: int
+) -> dict[str, int]:
+    """Elements sent over ``tp`` per step with sequence parallelism, per collective kind.
+
+    Counted as the whole ``batch_size x seq_len`` tensor, as ``count_collectives`` counts
+    them (a reduce-scatter's input, an all-gather's output):
+
+    - ``all_gather``: in forward, each colwise layers' parent module's input (once, shared by
+      its colwise layers) and the head's input; in backward, the gradient of each rowwise
+      layer's output and that of the first block's input (the replicated embeddings need it
+      all).
+    - ``reduce_scatter``: in forward, each rowwise layer's output (where plain tensor
+      parallelism all-reduces it); in backward, the gradient of each gathered input.
+    - ``all_reduce``: the gradients of the norms' replicated weights, each rank's being the
+      sum over its tokens only.
+
+    Examples:
+        >>> from fsdp_guide.parallel import TP_PLAN, ParallelConfig, ParallelTransformer
+        >>> model = ParallelTransformer(ParallelConfig(n_layers=1, dim=8, n_heads=2, hidden=16))
+        >>> cut = cut_layers(model, 2, TP_PLAN)
+        >>> sp_elements(model, cut, batch_size=1, seq_len=4)  # 32 = 1 x 4 tokens x dim 8
+        {'all_gather': 192, 'reduce_scatter': 128, 'all_reduce': 48}
+    """
+    tokens = batch_size * seq_len
+    gathered = sum(_gathered(model, cut).values())
+    rowwise = 0
+    for name, style in cut.items():
+        layer = model.get_submodule(name)
+        if style == "rowwise" and isinstance(layer, nn.Linear):
+            rowwise += layer.out_features
+    norms = sum(p.numel() for m in model.modules() if isinstance(m, NORMS) for p in m.parameters())
+    width = _width(model, cut)
+    return {
+        "all_gather": tokens * (gathered + rowwise + 2 * width),
+        "reduce_scatter": tokens * (rowwise + gathered),
+        "all_reduce": norms,
+    }
+
+
+def sequence_parallel_model(local: nn.Module, tp: int, cut: Mapping[str, str]) -> nn.Module:
+    """``local`` (a rank's cut model) with hooks that give it a rank's sequence-parallel
+    shapes: the first block takes ``1 / tp`` of the tokens, each gathered module and the head
+    receive ``tp`` times its tokens, each rowwise layer returns ``1 / tp`` of them.
+
+    The gathered tensors are new storages, as the all-gathers' outputs are; their values do
+    not matter, only what autograd saves of them (traced on fake tensors).
+
+    Raises:
+        PlanError: For a model with no ``blocks`` or no ``head`` to hook.
+    """
+    blocks, head = getattr(local, "blocks", None), getattr(local, "head", None)
+    if not isinstance(blocks, nn.ModuleList) or not len(blocks) or not isinstance(head, nn.Module):
+        raise PlanError(
+            f"sequence parallelism is planned on a model with `blocks` (a ModuleList) and a "
+            f"`head`, as fsdp_guide.parallel.parallelize lays it out; "
+            f"{type(local).__name__} has not both"
+        )
+
+    def gather(module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        return (args[0].repeat(1, tp, 1), *args[1:])
+
+    def first_tokens(module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        # What DTensor's Replicate -> Shard(1) keeps: a contiguous chunk.
+        x = args[0]
+        return (x.narrow(1, 0, x.shape[1] // tp).contiguous(), *args[1:])
+
+    def scatter(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> Tensor:
+        return out.narrow(1, 0, out.shape[1] // tp).clone()  # a reduce-scatter's own output
+
+    blocks[0].register_forward_pre_hook(first_tokens)
+    for name in _gathered(local, cut):
+        local.get_submodule(name).register_forward_pre_hook(gather)
+    for name, style in cut.items():
+        if style == "rowwise":
+            local.get_submodule(name).register_forward_hook(scatter)
+    head.register_forward_pre_hook(gather)
+    return local

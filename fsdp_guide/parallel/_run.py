@@ -46,6 +46,7 @@ def train_2d(
     config: ParallelConfig | None = None,
     lr: float = 1e-2,
     device: torch.device | None = None,
+    sequence_parallel: bool = False,
 ) -> dict[str, Any]:
     """Train :class:`~fsdp_guide.parallel.ParallelTransformer` on a ``(dp, tp)`` mesh.
 
@@ -63,6 +64,13 @@ def train_2d(
         config: The model's sizes.
         lr: Adam's learning rate.
         device: This rank's device (:func:`fsdp_guide.launcher.rank_device` by default).
+        sequence_parallel: Cut the norms and the residual stream along the sequence too
+            (:func:`~fsdp_guide.parallel.parallelize`); ``config.seq_len`` must divide by
+            ``tp``.
+
+    Raises:
+        ValueError: ``sequence_parallel=True`` with ``tp < 2`` or a sequence that does not
+            divide by ``tp``.
 
     Returns:
         ``losses`` (this rank's, per step), ``state`` (a
@@ -76,10 +84,15 @@ def train_2d(
 
     device = device or rank_device()
     config = config or ParallelConfig()
+    if sequence_parallel and (tp < 2 or config.seq_len % tp):
+        raise ValueError(
+            f"sequence_parallel=True gives each of tp={tp} ranks seq_len / tp tokens: it needs "
+            f"tp >= 2 and a config.seq_len ({config.seq_len}) divisible by tp"
+        )
     torch.manual_seed(0)
     model = ParallelTransformer(config).to(device)
     mesh = mesh_2d(dp, tp, device.type)
-    parallelize(model, mesh)
+    parallelize(model, mesh, sequence_parallel=sequence_parallel)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     share = batch_size // dp
