@@ -20,8 +20,9 @@ def zero_config(
     offload_optimizer: bool = False,
     offload_params: bool = False,
     bucket_elements: int = BUCKET_ELEMENTS,
+    bf16: bool = False,
 ) -> dict[str, Any]:
-    """A DeepSpeed config for fp32 ZeRO ``stage`` with plain Adam, as the guide trains it.
+    """A DeepSpeed config for ZeRO ``stage`` with plain Adam, as the guide trains it.
 
     Adam is torch's own (``"torch_adam": True``): no DeepSpeed op is compiled, on CPU as on
     GPU, and offloading keeps it (``"zero_force_ds_cpu_optimizer": False``) instead of
@@ -43,6 +44,9 @@ def zero_config(
             and step there (stages 1 to 3).
         offload_params: Keep the parameter shards on the CPU between uses (stage 3 only).
         bucket_elements: Elements per reduce and all-gather bucket.
+        bf16: Train in bf16 (``"bf16": {"enabled": True}``): DeepSpeed casts the model to
+            bf16, reduces bf16 gradients and steps an fp32 master copy of each rank's
+            partition. Off: everything stays fp32.
 
     Returns:
         A dictionary for ``deepspeed.initialize(config=...)``.
@@ -62,6 +66,8 @@ def zero_config(
         Traceback (most recent call last):
         ...
         ValueError: parameter offload needs ZeRO stage 3, got stage 1
+        >>> zero_config(2, bf16=True)["bf16"]
+        {'enabled': True}
     """
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -71,6 +77,8 @@ def zero_config(
         raise ValueError(f"parameter offload needs ZeRO stage 3, got stage {stage}")
     if bucket_elements < 1:
         raise ValueError(f"bucket_elements must be >= 1, got {bucket_elements}")
+    if not isinstance(bf16, bool):
+        raise ValueError(f"bf16 must be True or False, got {bf16!r}")
     zero: dict[str, Any] = {"stage": stage}
     if stage >= 1:
         zero["reduce_bucket_size"] = bucket_elements
@@ -85,7 +93,7 @@ def zero_config(
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
-    return {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "optimizer": {
@@ -97,3 +105,6 @@ def zero_config(
         "steps_per_print": 2**31 - 1,  # DeepSpeed's progress lines would drown the lesson's
         "wall_clock_breakdown": False,
     }
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config

@@ -42,10 +42,12 @@ class Layout:
         master: Elements of an fp32 master copy kept apart from ``params`` (DeepSpeed).
         buckets: Elements of communication buckets kept between steps (DeepSpeed ZeRO-3's
             reduce bucket, its offload staging buffers).
+        master_grads: Elements of the master copy's own gradient, kept in fp32 whatever the
+            model's precision and counted with the gradients (DeepSpeed's offloaded optimizer).
 
     Examples:
         >>> Layout(params=10, grads=10, optimizer=5, steps=1)
-        Layout(params=10, grads=10, optimizer=5, steps=1, master=0, buckets=0)
+        Layout(params=10, grads=10, optimizer=5, steps=1, master=0, buckets=0, master_grads=0)
     """
 
     params: int
@@ -54,6 +56,7 @@ class Layout:
     steps: int
     master: int = 0
     buckets: int = 0
+    master_grads: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,6 +210,17 @@ class Engine(ABC):
         """:meth:`layout` of a model cut into units (an engine whose layout depends on its
         units, FSDP1's flat parameter per unit, reads them)."""
         return self.layout(shape.shapes, world_size, fp32_adam=fp32_adam)
+
+    def mixed_layout(
+        self, shapes: Sequence[Sequence[int]], world_size: int
+    ) -> tuple[Layout, ...] | None:
+        """What each rank holds after the step when training in bf16 with Adam, or ``None``.
+
+        A layout here counts the fp32 master copy in :attr:`Layout.master` (and its gradient
+        in :attr:`Layout.master_grads`), so the optimizer's elements carry Adam's moments
+        only. ``None`` (the default): not known, the caller falls back to the ZeRO formula.
+        """
+        return None
 
     def own_formula(self, param_numels: Sequence[int], world_size: int) -> Layout | None:
         """The engine's own formula where the ZeRO formula's layout does not apply, else None.

@@ -79,7 +79,7 @@ class DDP(Engine):
 
         Examples:
             >>> DDP().layout([(10,), (7,)], 2)[1]
-            Layout(params=17, grads=17, optimizer=17, steps=2, master=0, buckets=0)
+            Layout(params=17, grads=17, optimizer=17, steps=2, master=0, buckets=0, master_grads=0)
         """
         total = sum(math.prod(shape) for shape in shapes)
         one = Layout(params=total, grads=total, optimizer=total, steps=len(shapes))

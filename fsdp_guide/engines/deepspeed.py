@@ -14,7 +14,7 @@ Examples:
     >>> engine.collectives(1001, 2).payload
     {'all_reduce': 1002, 'all_gather': 1004}
     >>> deepspeed_layout([1000, 10], 4, 3, reduce_bucket_size=100)
-    Layout(params=253, grads=253, optimizer=253, steps=1, master=253, buckets=100)
+    Layout(params=253, grads=253, optimizer=253, steps=1, master=253, buckets=100, master_grads=0)
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def deepspeed_layout(
 
     The byte counts, their table and the assumptions are those of
     :func:`fsdp_guide.memory.estimate_deepspeed_state`, which multiplies these by fp32's 4
-    bytes (8 for Adam's two moments).
+    bytes (8 for Adam's two moments). In bf16 the elements are the same: DeepSpeed pads and
+    partitions as in fp32, and only the bytes per element change (see
+    :class:`DeepSpeedZero`).
 
     Raises:
         ValueError: For bad sizes, world size or stage, or an offload the stage lacks.
@@ -99,7 +101,8 @@ def deepspeed_layout(
         return Layout(
             params=shard,
             master=shard,
-            grads=shard * (2 if offload_optimizer else 1),  # + the master copy's gradient
+            grads=shard,
+            master_grads=shard if offload_optimizer else 0,
             buckets=reduce_bucket_size,
             optimizer=shard,
             steps=1,
@@ -111,7 +114,8 @@ def deepspeed_layout(
     return Layout(
         params=padded + offloaded * partition,  # a partition waiting for the all-gather
         master=partition,
-        grads=partition * offloaded,
+        grads=0,
+        master_grads=partition * offloaded,
         buckets=2 * max(numels) * offloaded,  # two staging buffers of the largest tensor
         optimizer=partition,
         steps=1,
@@ -121,6 +125,21 @@ def deepspeed_layout(
 @dataclass(frozen=True, kw_only=True)
 class DeepSpeedZero(Engine):
     """A DeepSpeed engine with torch's Adam (:func:`fsdp_guide.deepspeed.zero_config`).
+
+    In bf16 (:func:`fsdp_guide.deepspeed.zero_config` with ``bf16=True``), which DeepSpeed
+    runs on CPU and gloo at stages 1 to 3, those stages keep the ZeRO optimizer they use in
+    fp32 (DeepSpeed's bf16-only optimizer comes in at stage 1 only with fp32 gradient
+    accumulation, which the guide does not ask for) and :func:`deepspeed_layout`'s elements,
+    at these bytes per element:
+
+    ============================================== =====
+    what                                            bytes
+    ============================================== =====
+    parameters, the offloaded partition to gather   2
+    gradient partitions, reduce and staging buckets 2
+    fp32 master copy, its offloaded gradient        4
+    Adam's two moments (and a 4-byte step)          8
+    ============================================== =====
 
     Attributes:
         stage: ZeRO stage, 0 to 3 (the catalog names 1 to 3; 0 is data parallelism).
@@ -192,6 +211,21 @@ class DeepSpeedZero(Engine):
             return None
         numels = [math.prod(shape) for shape in shapes]
         return replicated(world_size, self.own_formula(numels, world_size))
+
+    def mixed_layout(
+        self, shapes: Sequence[Sequence[int]], world_size: int
+    ) -> tuple[Layout, ...] | None:
+        """The fp32 layout: bf16 changes DeepSpeed's bytes per element, not its elements.
+
+        Stage 0 (not a catalog row) trains bf16 with another optimizer, not measured: None.
+
+        Examples:
+            >>> DeepSpeedZero(stage=3).mixed_layout([(1000,), (10,)], 4)[0].master
+            253
+            >>> DeepSpeedZero(stage=0).mixed_layout([(1000,), (10,)], 4) is None
+            True
+        """
+        return None if self.stage == 0 else self.layout(shapes, world_size)
 
     @property
     def grads_between_steps(self) -> bool:

@@ -186,7 +186,7 @@ class FSDP1(TorchStateDict, UnitEngine):
 
         Examples:
             >>> FSDP1().layout([(10,), (7,)], 2)[0]  # 17 elements padded to 18
-            Layout(params=9, grads=9, optimizer=9, steps=1, master=0, buckets=0)
+            Layout(params=9, grads=9, optimizer=9, steps=1, master=0, buckets=0, master_grads=0)
         """
         total = sum(math.prod(shape) for shape in shapes)
         group = self.shard_group_size(world_size)
@@ -201,7 +201,7 @@ class FSDP1(TorchStateDict, UnitEngine):
         Examples:
             >>> shape = ModelShape(units=(((3,),), ((5,),), ((5,),)))
             >>> FSDP1().shape_layout(shape, 2)[0]  # flat params of 4, 6 and 6: chunks 2+3+3
-            Layout(params=8, grads=8, optimizer=8, steps=3, master=0, buckets=0)
+            Layout(params=8, grads=8, optimizer=8, steps=3, master=0, buckets=0, master_grads=0)
         """
         sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
         sizes = [size for size in sizes if size]  # a unit without parameters has none

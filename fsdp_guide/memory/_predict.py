@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from fsdp_guide.catalog import StrategySpec
 from fsdp_guide.engines import Engine, Layout, ModelShape, deepspeed_layout, engine_for
@@ -37,7 +38,8 @@ _MASTER_BYTES = 4
 def bytes_of(layout: Layout, per: BytesPerParam, step_bytes: int) -> ModelState:
     """The bytes of a :class:`~fsdp_guide.engines.Layout` at ``per`` bytes per element.
 
-    Buckets hold gradients, so they count at the gradients' size.
+    Buckets hold gradients, so they count at the gradients' size; a master copy and its
+    gradient are fp32.
 
     Examples:
         >>> from fsdp_guide.engines import Layout
@@ -46,7 +48,7 @@ def bytes_of(layout: Layout, per: BytesPerParam, step_bytes: int) -> ModelState:
     """
     return ModelState(
         params=per.params * layout.params,
-        grads=per.grads * layout.grads,
+        grads=per.grads * layout.grads + _MASTER_BYTES * layout.master_grads,
         optimizer=per.optimizer * layout.optimizer + step_bytes * layout.steps,
         buckets=per.grads * layout.buckets,
         master=_MASTER_BYTES * layout.master,
@@ -119,8 +121,10 @@ def state_per_rank(
             parameter per unit.
         world_size: Ranks.
         precision: ``"fp32"`` or ``"mixed"``: bytes per element of each kind of state
-            (:func:`~fsdp_guide.memory.bytes_per_param`). Only fp32 is measured here;
-            ``"mixed"`` applies ZeRO's byte counts to the same layout.
+            (:func:`~fsdp_guide.memory.bytes_per_param`). ``"mixed"`` with Adam is known
+            for an engine with a mixed-precision layout
+            (:meth:`fsdp_guide.engines.Engine.mixed_layout`: DeepSpeed, whose master copy
+            is counted apart); elsewhere it applies ZeRO's byte counts to the same layout.
         optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
 
     Returns:
@@ -137,11 +141,23 @@ def state_per_rank(
         [36, 36]
         >>> [s.optimizer for s in state_per_rank("fsdp2", [(10,), (7,)], 2)[0]]
         [80, 72]
+
+        DeepSpeed ZeRO-2 in bf16: 2-byte parameters, the master copy apart from Adam's moments:
+
+        >>> state_per_rank("deepspeed_zero2", [(10,), (7,)], 2, "mixed")[0][0]
+        ModelState(params=40, master=40, grads=0, optimizer=84, total=164)
     """
     engine = _engine(strategy)
     per = bytes_per_param(precision, optimizer)
     step = _STEP_BYTES[optimizer]
     fp32_adam = (precision, optimizer) == ("fp32", "adam")
+    if (precision, optimizer) == ("mixed", "adam"):
+        plain = shapes.shapes if isinstance(shapes, ModelShape) else shapes
+        mixed = engine.mixed_layout(plain, world_size)
+        if mixed is not None:
+            # The master copy has a field of its own: the optimizer keeps the moments only.
+            moments = replace(per, optimizer=bytes_per_param("fp32", optimizer).optimizer)
+            return tuple(bytes_of(one, moments, step) for one in mixed), True
     if isinstance(shapes, ModelShape):
         layouts = engine.shape_layout(shapes, world_size, fp32_adam=fp32_adam)
         shapes = shapes.shapes

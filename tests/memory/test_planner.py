@@ -149,6 +149,16 @@ def test_ranks_stay_near_the_formula_and_share_the_optimizer(name: str, precisio
         numels = [p.numel() for p in model.parameters()]
         assert got.exact_state
         assert all(s == predict_model_state(name, got.num_params, 4, numels) for s in got.ranks)
+    elif spec.engine == "deepspeed":
+        # bf16 (measured in tests/deepspeed/test_deepspeed_bf16_state.py): fp32's elements,
+        # 16-bit parameters and buckets, the same fp32 master copy and moments, and 16-bit
+        # gradients beside the offloaded master copy's fp32 gradient.
+        fp32 = plan(model, batch_size=4, seq_len=1, world_size=4, strategy=name)
+        assert got.exact_state
+        for s, full in zip(got.ranks, fp32.ranks, strict=True):
+            assert (2 * s.params, 2 * s.buckets) == (full.params, full.buckets)
+            assert (s.master, s.optimizer) == (full.master, full.optimizer)
+            assert full.grads / 2 <= s.grads <= full.grads
     else:  # padding and Adam's steps move each rank by little
         assert all(abs(s.total / formula.total - 1) < 0.01 for s in got.ranks)
     assert got.state == max(got.ranks, key=lambda s: s.total)
