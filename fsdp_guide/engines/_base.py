@@ -250,22 +250,27 @@ class Engine(ABC):
         ``zero_grad()`` frees them."""
         return False
 
+    @property
+    def buckets_between_steps(self) -> bool:
+        """Whether the buckets of :meth:`layout` stay allocated between steps (DDP's, for the
+        whole run); by default as the gradients do."""
+        return self.grads_between_steps
+
     def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
         """The peak of a steady training step, beyond the state kept between steps.
 
-        The default, as DDP: every activation saved in forward is still held when backward
-        starts writing every gradient (their buckets fill as activations are freed, but the
-        first bucket's gradients come from the last layer, whose activations go last).
+        The default, an upper bound: every activation saved in forward still held when
+        backward has written every gradient.
 
         Args:
             sizes: The sizes of the model and its activations.
             world_size: Ranks.
 
         Examples:
-            >>> from fsdp_guide.engines import engine_for
+            >>> from fsdp_guide.engines import Plain
             >>> sizes = StepSizes(params=400, grads=400, largest_unit=100,
             ...                   largest_unit_grads=100, root_unit=0, activations=50)
-            >>> engine_for("ddp").step_peak(sizes, 2).bytes
+            >>> Plain().step_peak(sizes, 2).bytes
             450
         """
         return StepPeak(

@@ -205,7 +205,7 @@ def with_wrap(engine: Engine, wrap: str) -> Engine:
 
     Examples:
         >>> with_wrap(FSDP2(), "root").wrap, with_wrap(DDP(), "root")
-        ('root', DDP())
+        ('root', DDP(gradient_as_bucket_view=True))
     """
     if wrap not in UNIT_RULES:
         raise ValueError(f"unknown wrap {wrap!r}; choose one of {', '.join(UNIT_RULES)}")

@@ -1,21 +1,27 @@
 """PyTorch ``DistributedDataParallel``: every rank holds everything (ZeRO stage 0).
 
 DDP keeps the whole model, its gradients and the optimizer state on every rank and
-all-reduces the gradients in buckets during backward (one all-reduce of ``Ψ`` per step). With
-``gradient_as_bucket_view=True`` the gradients are views of those buckets, so there is one
-copy to count.
+all-reduces the gradients in buckets during backward (one all-reduce of ``Ψ`` per step). The
+buckets are allocated when the model is wrapped, rebuilt once at the start of the second
+forward (in the order the gradients became ready) and then kept for the whole run:
+``zero_grad()`` does not free them. With ``gradient_as_bucket_view=True`` (this package's
+setting) the gradients are views of those buckets, so the gradient bytes stay allocated
+between steps; with torch's default ``False`` the buckets are a second copy of the gradients,
+held between steps, while the gradients themselves come and go with each step.
 
 Examples:
     >>> engine = DDP()
     >>> engine.stage_at_step, engine.collectives(1000, 4).payload
     (0, {'all_reduce': 1000})
+    >>> engine.grads_between_steps, DDP(gradient_as_bucket_view=False).grads_between_steps
+    (True, False)
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -29,6 +35,7 @@ from fsdp_guide.engines._base import (
     adam,
     replicated,
 )
+from fsdp_guide.engines._step import StepPeak, StepSizes
 
 __all__ = ["DDP"]
 
@@ -38,7 +45,15 @@ DDP_BUCKET_BYTES = 25 * 1024 * 1024
 
 @dataclass(frozen=True)
 class DDP(Engine):
-    """PyTorch ``DistributedDataParallel`` with torch's Adam."""
+    """PyTorch ``DistributedDataParallel`` with torch's Adam.
+
+    Attributes:
+        gradient_as_bucket_view: DDP's setting of that name: ``True`` (the default here)
+            makes the gradients views of the reducer's buckets, ``False`` (torch's default)
+            keeps the buckets as a second copy of the gradients.
+    """
+
+    gradient_as_bucket_view: bool = True
 
     name = "ddp"
     title = "PyTorch DDP"
@@ -51,18 +66,24 @@ class DDP(Engine):
 
         return isinstance(model, DistributedDataParallel)
 
+    @classmethod
+    def from_model(cls, model: nn.Module, optimizer: object) -> DDP:
+        """The engine with the bucket setting ``model`` (a ``DistributedDataParallel``) has."""
+        return cls(gradient_as_bucket_view=bool(getattr(model, "gradient_as_bucket_view", True)))
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         return model.module if isinstance(model, DistributedDataParallel) else model
 
-    @staticmethod
-    def wrap(model: nn.Module, device: torch.device) -> nn.Module:
-        """``DistributedDataParallel`` on ``device``, gradients as views of its buckets."""
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """``DistributedDataParallel`` on ``device``, with this engine's bucket setting."""
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+        return DistributedDataParallel(
+            model, device_ids=ids, gradient_as_bucket_view=self.gradient_as_bucket_view
+        )
 
     def build(self, model: nn.Module, *, device: torch.device, world_size: int, lr: float) -> Built:
         module = self.wrap(model, device)
@@ -75,15 +96,71 @@ class DDP(Engine):
     def layout(
         self, shapes: Sequence[Sequence[int]], world_size: int, *, fp32_adam: bool = True
     ) -> tuple[Layout, ...] | None:
-        """Every tensor, its gradient and its optimizer state, on every rank.
+        """Every tensor, its gradient and its optimizer state, on every rank, and the
+        reducer's buckets where they are not the gradients.
 
         Examples:
             >>> DDP().layout([(10,), (7,)], 2)[1]
             Layout(params=17, grads=17, optimizer=17, steps=2, master=0, buckets=0, master_grads=0)
+            >>> DDP(gradient_as_bucket_view=False).layout([(10,), (7,)], 2)[1].buckets
+            17
         """
         total = sum(math.prod(shape) for shape in shapes)
         one = Layout(params=total, grads=total, optimizer=total, steps=len(shapes))
-        return replicated(world_size, one)
+        return self.with_buckets(replicated(world_size, one), total)
+
+    def with_buckets(self, layouts: tuple[Layout, ...], elements: int) -> tuple[Layout, ...]:
+        """``layouts`` with DDP's buckets of ``elements`` on every rank where they are a
+        second copy of the gradients (``gradient_as_bucket_view=False``).
+
+        Examples:
+            >>> one = (Layout(params=4, grads=4, optimizer=2, steps=1),)
+            >>> DDP(gradient_as_bucket_view=False).with_buckets(one, 4)[0].buckets
+            4
+        """
+        if self.gradient_as_bucket_view:
+            return layouts
+        return tuple(replace(layout, buckets=elements) for layout in layouts)
+
+    @property
+    def grads_between_steps(self) -> bool:
+        """With ``gradient_as_bucket_view=True`` the gradients' storage is the reducer's
+        buckets, which ``zero_grad()`` does not free."""
+        return self.gradient_as_bucket_view
+
+    @property
+    def buckets_between_steps(self) -> bool:
+        """The reducer keeps its buckets for the whole run."""
+        return True
+
+    def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
+        """What a steady step adds to the state kept between steps (the buckets included).
+
+        Views of the buckets: the gradients land in memory already held, so backward adds
+        its activations only. A second copy: backward allocates the gradients while it frees
+        the activations, layer by layer, so the step holds the larger of the two at once:
+        every activation at the start of backward, or every gradient from its end through
+        the optimizer step until ``zero_grad()``.
+
+        Examples:
+            >>> sizes = StepSizes(params=400, grads=400, largest_unit=100,
+            ...                   largest_unit_grads=100, root_unit=0, activations=50)
+            >>> DDP().step_peak(sizes, 2).bytes
+            50
+            >>> DDP(gradient_as_bucket_view=False).step_peak(sizes, 2).phase
+            'optimizer step'
+        """
+        if self.gradient_as_bucket_view or sizes.activations >= sizes.grads:
+            return StepPeak(
+                bytes=sizes.activations,
+                phase="backward",
+                kind="activations (the gradients fill the kept buckets)"
+                if self.gradient_as_bucket_view
+                else "activations (the gradients replace them as backward goes)",
+            )
+        return StepPeak(
+            bytes=sizes.grads, phase="optimizer step", kind="every gradient, beside the buckets"
+        )
 
     def transient(
         self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int

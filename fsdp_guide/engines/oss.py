@@ -12,6 +12,7 @@ Examples:
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,7 +60,8 @@ class OSS(DDP):
     def layout(
         self, shapes: Sequence[Sequence[int]], world_size: int, *, fp32_adam: bool = True
     ) -> tuple[Layout, ...]:
-        return owned_layout(shapes, world_size, owned_grads=False)
+        layouts = owned_layout(shapes, world_size, owned_grads=False)
+        return self.with_buckets(layouts, sum(math.prod(shape) for shape in shapes))
 
     def full_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None

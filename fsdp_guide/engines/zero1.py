@@ -11,6 +11,7 @@ Examples:
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,7 +63,8 @@ class Zero1(DDP):
     def layout(
         self, shapes: Sequence[Sequence[int]], world_size: int, *, fp32_adam: bool = True
     ) -> tuple[Layout, ...]:
-        return owned_layout(shapes, world_size, owned_grads=False)
+        layouts = owned_layout(shapes, world_size, owned_grads=False)
+        return self.with_buckets(layouts, sum(math.prod(shape) for shape in shapes))
 
     def full_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None

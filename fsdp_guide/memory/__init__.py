@@ -42,8 +42,10 @@ that buffer's size once. FSDP's private buffers hanging off a flat parameter (th
 unsharded ``_full_param_padded``, mixed-precision shards, ...) are counted when they are
 allocated. DDP's gradient buckets, when the gradients are not views of them
 (``gradient_as_bucket_view=False``), are a second full copy of the gradients: they are
-reported apart, as ``ModelState.buckets``, and are in its total. Activations and module
-buffers are not counted.
+reported apart, as ``ModelState.buckets``, and are in its total. DDP keeps its buckets for
+the whole run, so they are counted after ``zero_grad()`` too: as ``buckets`` without views,
+as ``grads`` with them (the gradients' storage is still held while every ``.grad`` is
+None). Activations and module buffers are not counted.
 """
 
 from __future__ import annotations

@@ -89,9 +89,10 @@ def measure_model_state(
         >>> measure_model_state(model)
         ModelState(params=440, grads=440, optimizer=0, total=880)
 
-        Under DDP without ``gradient_as_bucket_view``, its gradient buckets are a second copy
-        of the gradients, reported as ``buckets`` (see
-        :class:`~fsdp_guide.memory.ModelState`).
+        DDP's gradient buckets stay allocated for the whole run, ``zero_grad()`` or not.
+        With ``gradient_as_bucket_view=True`` they are the gradients' storage, counted as
+        ``grads`` even while every ``.grad`` is None; without it they are a second copy of
+        the gradients, reported as ``buckets`` (see :class:`~fsdp_guide.memory.ModelState`).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -112,11 +113,12 @@ def measure_model_state(
     param_bytes = counter.add([*params, *param_buffers])
     grad_bytes = counter.add([*(p.grad for p in params), *grad_buffers])
     optimizer_bytes = counter.add(_optimizer_state_tensors(optimizer)) if optimizer else 0
+    bucket_grads, bucket_copies = _ddp_buckets(module)
     return ModelState(
         params=param_bytes,
-        grads=grad_bytes,
+        grads=grad_bytes + bucket_grads,
         optimizer=optimizer_bytes,
-        buckets=_ddp_bucket_bytes(module),
+        buckets=bucket_copies,
     )
 
 
@@ -148,23 +150,35 @@ def _measure_listed(tensors: dict[str, list[Any]]) -> ModelState:
     )
 
 
-def _ddp_bucket_bytes(module: nn.Module) -> int:
-    """Bytes of DDP's gradient buckets that are not also the gradients.
+def _ddp_buckets(module: nn.Module) -> tuple[int, int]:
+    """Bytes of DDP's gradient buckets: (those that hold the gradients and no ``.grad``
+    shows, those that are a second copy of the gradients).
 
-    With ``gradient_as_bucket_view=True`` the gradients are views of the buckets and are
-    counted as gradients; without it the reducer keeps its buckets beside them, a second
-    full-size copy. The reducer does not expose its buckets to Python; its logging data
-    gives their sizes in bytes (``"bucket_sizes"``, comma-separated).
+    The reducer allocates its buckets when the model is wrapped and keeps them for the whole
+    run. With ``gradient_as_bucket_view=True`` they are the gradients' storage: a ``.grad``
+    that is set is a view of one and the walk over the gradients has counted it; after
+    ``zero_grad()`` (``.grad`` set to None) the bytes are still held, and are counted here
+    as gradients. Without it the buckets are a second full-size copy, reported apart. The
+    reducer does not expose its buckets to Python; its logging data gives their sizes in
+    bytes (``"bucket_sizes"``, comma-separated; a rebuild regroups the same parameters, so
+    their sum holds).
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    total = 0
+    unseen_grads = copies = 0
     for sub in module.modules():
-        if isinstance(sub, DistributedDataParallel) and not sub.gradient_as_bucket_view:
-            data = sub._get_ddp_logging_data()  # type: ignore[no-untyped-call]
-            sizes = str(data.get("bucket_sizes", ""))
-            total += sum(int(size) for size in sizes.split(",") if size.strip())
-    return total
+        if not isinstance(sub, DistributedDataParallel):
+            continue
+        data = sub._get_ddp_logging_data()  # type: ignore[no-untyped-call]
+        sizes = str(data.get("bucket_sizes", ""))
+        held = sum(int(size) for size in sizes.split(",") if size.strip())
+        if sub.gradient_as_bucket_view:
+            # The gradients that are set are views of the buckets: count the rest of them.
+            views = _StorageCounter().add(p.grad for p in sub.parameters())
+            unseen_grads += max(0, held - views)
+        else:
+            copies += held
+    return unseen_grads, copies
 
 
 @dataclass(frozen=True)

@@ -95,8 +95,12 @@ class Plan:
             optimizer owns whole tensors or a shard is padded.
         exact_state: Whether ``ranks`` follow the engine's layout to the byte (``False``:
             the ZeRO formula, for an engine the planner does not know).
+        between_steps: The state each rank keeps between steps, ``between_steps[r]`` for
+            rank ``r``: ``ranks`` less the gradients and buckets ``zero_grad()`` frees (what
+            :func:`~fsdp_guide.memory.measure_model_state` counts after it).
         step_peak: The most bytes held at once during a steady training step: the state
-            kept between steps (gradients freed by ``zero_grad()`` left out), the
+            kept between steps (gradients freed by ``zero_grad()`` left out, buckets an
+            engine keeps for the whole run, such as DDP's, counted), the
             activations and the buffers alive at that moment, as the engine says
             (:meth:`fsdp_guide.engines.Engine.step_peak`).
         step_peak_phase: Where in the step it falls.
@@ -123,6 +127,7 @@ class Plan:
     cpu_offload: bool = False
     ranks: tuple[ModelState, ...] = ()
     exact_state: bool = True
+    between_steps: tuple[ModelState, ...] = ()
     step_peak: int = 0
     step_peak_phase: str = ""
     step_peak_kind: str = ""
@@ -299,6 +304,11 @@ def plan(
         >>> extra = p.state.total - predict_model_state("fsdp2", p.num_params, 2).total
         >>> extra == 4 * len(list(TinyTransformer(cfg).parameters()))  # Adam's step per tensor
         True
+        >>> copies = plan(lambda: TinyTransformer(cfg), batch_size=4, seq_len=32, world_size=2,
+        ...               strategy="ddp", settings={"gradient_as_bucket_view": False})
+        >>> kept = copies.between_steps[0]  # DDP's buckets stay, the gradients go
+        >>> kept.buckets == copies.state.grads, kept.grads
+        (True, 0)
         >>> plan(lambda: TinyTransformer(cfg), batch_size=4, seq_len=32, world_size=2,
         ...      strategy="zero4")
         Traceback (most recent call last):
@@ -395,7 +405,15 @@ def plan(
         activations=activations,
     )
     peak = engine.step_peak(sizes, dp)
-    kept = state.total if engine.grads_between_steps else state.total - state.grads - state.buckets
+    between = tuple(
+        replace(
+            r,
+            grads=r.grads if engine.grads_between_steps else 0,
+            buckets=r.buckets if engine.buckets_between_steps else 0,
+        )
+        for r in ranks
+    )
+    kept = between[ranks.index(state)].total
     return Plan(
         strategy=spec.name,
         world_size=world_size,
@@ -409,6 +427,7 @@ def plan(
         cpu_offload=cpu_offload,
         ranks=ranks,
         exact_state=exact,
+        between_steps=between,
         step_peak=(0 if cpu_offload else kept) + peak.bytes,
         step_peak_phase=peak.phase,
         step_peak_kind=peak.kind,

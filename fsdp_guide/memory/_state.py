@@ -21,7 +21,8 @@ class ModelState:
             momentum buffers, fp32 master weights under mixed precision).
         buckets: Bytes of communication buckets that hold a second copy of the gradients:
             DDP's gradient buckets when the gradients are not views of them
-            (``gradient_as_bucket_view=False``). Not in the ZeRO formulas, which predict 0.
+            (``gradient_as_bucket_view=False``), kept for the whole run. Not in the ZeRO
+            formulas, which predict 0.
             Also DeepSpeed's reduce buckets that stay allocated after the step (ZeRO-3's
             ``ipg`` bucket, the offload staging buffers of ZeRO-1/2), see
             :func:`~fsdp_guide.memory.estimate_deepspeed_state`. Shown in the repr only

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from step_peak_runs import Attempt, Run, best_attempt, measure_peaks, plan_run
 
-from fsdp_guide.engines import FSDP1, FSDP2, StepSizes, engine_for
+from fsdp_guide.engines import DDP, FSDP1, FSDP2, StepSizes, engine_for
 from fsdp_guide.launcher import launch
 
 BATCH = 8
@@ -19,6 +19,8 @@ RUNS: list[Run] = [
     ("fsdp", {"backward_prefetch": None}),
     ("fsdp2", {}),
     ("fsdp2", {"reshard_after_forward": False}),
+    ("ddp", {"gradient_as_bucket_view": False}),  # torch's default: buckets beside the grads
+    ("zero1", {"gradient_as_bucket_view": False}),
 ]
 
 
@@ -70,7 +72,8 @@ SIZES = StepSizes(
         (FSDP1(backward_prefetch=None, forward_prefetch=True), 50 + 100 + 400 + 200),
         (FSDP1(sharding_strategy="SHARD_GRAD_OP"), 50 + 1000 + 200),
         (FSDP1(sharding_strategy="NO_SHARD"), 50 + 1000),
-        (engine_for("ddp"), 50 + 1000),
+        (engine_for("ddp"), 50),  # the gradients land in the buckets kept between steps
+        (DDP(gradient_as_bucket_view=False), 1000),  # every gradient beside the buckets
         (engine_for("deepspeed_zero3"), 50 + 1000),
     ],
     ids=str,
