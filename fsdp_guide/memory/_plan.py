@@ -34,10 +34,12 @@ from fsdp_guide.comm import CommPrediction, predict_communication
 from fsdp_guide.engines import (
     ModelShape,
     StepSizes,
+    Transient,
     UnitPolicy,
     UnitRule,
     engine_for,
     model_shape,
+    module_calls,
 )
 from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher import check_world_size
@@ -81,7 +83,8 @@ class Plan:
             fullest rank (the one that must fit).
         activations: Bytes autograd saves for backward in this rank's forward.
         transient: The largest buffer that exists only for a while: FSDP's gathered unit (its
-            parameters and unsharded gradients), DDP's gradient bucket.
+            parameters and unsharded gradients), DDP's gradient bucket, the parameters
+            DeepSpeed ZeRO-3 holds gathered as backward starts.
         transient_kind: What ``transient`` is, in words.
         communication: The communication of one step.
         cpu_offload: Whether the model state lives in CPU memory (FSDP's ``CPUOffload``).
@@ -98,6 +101,9 @@ class Plan:
         tensor_parallel: Ranks of each tensor-parallel group (1: none); the state,
             activations and communication are then those of one rank of a
             ``(world_size // tensor_parallel, tensor_parallel)`` mesh.
+        kept_params: Bytes of whole parameters still gathered when forward returns,
+            beyond the state, alive with the activations: DeepSpeed ZeRO-3 keeps those it
+            uses again soon (every one of a small model); 0 for the other strategies.
     """
 
     strategy: str
@@ -116,6 +122,7 @@ class Plan:
     step_peak_phase: str = ""
     step_peak_kind: str = ""
     tensor_parallel: int = 1
+    kept_params: int = 0
 
     @property
     def fullest_rank(self) -> int:
@@ -179,6 +186,7 @@ class Plan:
             "total": self.rank_total(index) if self.ranks else self.total,
             "step_peak": self.step_peak,
             "tensor_parallel": self.tensor_parallel,
+            "kept_params": self.kept_params,
         }
 
 
@@ -357,8 +365,12 @@ def plan(
         largest_unit_grads=per.grads * largest,
         root_unit=per.params * root,
         activations=activations,
+        calls=module_calls(model),
     )
     peak = engine.step_peak(sizes, dp)
+    gathered = engine.gathered(sizes, dp)
+    if gathered is not None:  # what the engine gathers, known from the modules' order
+        transient = Transient(bytes=gathered.peak, kind=gathered.kind)
     kept = state.total if engine.grads_between_steps else state.total - state.grads - state.buckets
     return Plan(
         strategy=spec.name,
@@ -377,4 +389,5 @@ def plan(
         step_peak_phase=peak.phase,
         step_peak_kind=peak.kind,
         tensor_parallel=tp,
+        kept_params=0 if gathered is None else gathered.after_forward,
     )
