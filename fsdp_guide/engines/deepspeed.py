@@ -251,6 +251,11 @@ class DeepSpeedZero(Engine):
         ``None`` for stages 0-2, which keep their parameters whole anyway, and where the
         modules are not known.
 
+        Each module is taken to run once, children in registration order. With a short
+        reuse distance *and* prefetching, the prefetcher runs ahead of forward into
+        backward; DeepSpeed then gathers fewer parameters again than this counts (an upper
+        bound there).
+
         Examples:
             >>> from torch import nn
             >>> from fsdp_guide.engines import module_calls

@@ -5,13 +5,14 @@ from __future__ import annotations
 import gc
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 
 import hf_models
 import torch
 from torch import Tensor, nn
 
 from fsdp_guide.deepspeed import backward_and_step
-from fsdp_guide.engines import wrap_for_strategy
+from fsdp_guide.engines import engine_for
 from fsdp_guide.memory import plan, track_allocations
 from fsdp_guide.models import build_model, loss_fn, shard_batch, synthetic_batch
 
@@ -33,17 +34,20 @@ def _case(
     return hf_models.builder(name), lambda step: make(BATCH, hf_models.SEQ), hf_models.SEQ
 
 
-def after_forward(rank: int, world_size: int, names: list[str]) -> list[dict[str, int]]:
-    """For each model, in the last of ``STEPS`` steps: the bytes forward allocated that are
-    alive when it returns, the bytes of the parameters still gathered then (each storage
-    once), and the plan's activations and kept parameters."""
+def after_forward(
+    rank: int, world_size: int, cases: list[tuple[str, dict[str, int]]]
+) -> list[dict[str, int]]:
+    """For each model and engine settings, in the last of ``STEPS`` steps: the bytes forward
+    allocated that are alive when it returns, the bytes of the parameters still gathered
+    then (each storage once), and the plan's activations and kept parameters."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     warnings.filterwarnings("ignore")
     out = []
-    for name in names:
+    for name, settings in cases:
         build, batch, seq = _case(name, rank)
-        module, optimizer = wrap_for_strategy(build(), "deepspeed_zero3", world_size)
+        engine = replace(engine_for("deepspeed_zero3"), **settings)
+        module, optimizer = engine.build(build(), device=torch.device("cpu"), world_size=2, lr=1e-3)
         for step in range(STEPS):
             data = batch(step)
             with track_allocations() as seen:
@@ -63,6 +67,7 @@ def after_forward(rank: int, world_size: int, names: list[str]) -> list[dict[str
             seq_len=seq,
             world_size=world_size,
             strategy="deepspeed_zero3",
+            settings=settings,
             batch=None if name == "transformer" else hf_models.batch_fn(name),
         )
         inputs = sum(t.untyped_storage().nbytes() for t in data)
