@@ -55,7 +55,7 @@ from fsdp_guide.engines._registry import (
     wrap_for_strategy,
 )
 from fsdp_guide.engines._shape import ModelShape
-from fsdp_guide.engines._step import StepPeak, StepSizes
+from fsdp_guide.engines._step import ModuleCalls, StepPeak, StepSizes, module_calls
 from fsdp_guide.engines._units import (
     UNIT_RULES,
     UnitEngine,
@@ -95,6 +95,7 @@ __all__ = [
     "FairScaleFSDP",
     "Layout",
     "ModelShape",
+    "ModuleCalls",
     "Plain",
     "ShardedDDP",
     "StepPeak",
@@ -117,6 +118,7 @@ __all__ = [
     "kept_fresh",
     "local_tensor",
     "model_shape",
+    "module_calls",
     "unit_engines",
     "unit_names",
     "unit_of",

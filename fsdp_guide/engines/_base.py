@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fsdp_guide.engines._shape import ModelShape
-from fsdp_guide.engines._step import StepPeak, StepSizes
+from fsdp_guide.engines._step import Gathered, StepPeak, StepSizes
 
 #: What :meth:`Engine.build` returns: the module to train and its optimizer. A DeepSpeed
 #: engine's optimizer is DeepSpeed's ZeRO optimizer, typed as the torch optimizer it wraps.
@@ -255,6 +255,16 @@ class Engine(ABC):
         """Whether the buckets of :meth:`layout` stay allocated between steps (DDP's, for the
         whole run); by default as the gradients do."""
         return self.grads_between_steps
+    def gathered(self, sizes: StepSizes, world_size: int) -> Gathered | None:
+        """Whole parameters the engine keeps beyond its shards, where its planner reports
+        them apart from :meth:`transient` (DeepSpeed ZeRO-3); ``None`` for the others,
+        whose transient buffer says it all.
+
+        Args:
+            sizes: The sizes of the model, its activations and its modules' order.
+            world_size: Ranks.
+        """
+        return None
 
     def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
         """The peak of a steady training step, beyond the state kept between steps.

@@ -86,8 +86,9 @@ def engine_for(strategy: str | StrategySpec) -> Engine:
         >>> engine = engine_for("fsdp_grad_op")
         >>> engine.sharding_strategy, engine.shard_group
         ('SHARD_GRAD_OP', None)
-        >>> engine_for("deepspeed_zero2_offload")
-        DeepSpeedZero(stage=2, offload_optimizer=True, offload_params=False)
+        >>> engine = engine_for("deepspeed_zero2_offload")
+        >>> type(engine).__name__, engine.stage, engine.offload_optimizer, engine.offload_params
+        ('DeepSpeedZero', 2, True, False)
     """
     spec = strategy if isinstance(strategy, StrategySpec) else get_strategy(strategy)
     return get_engine(spec.engine, **spec.settings)

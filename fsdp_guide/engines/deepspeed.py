@@ -4,7 +4,10 @@ DeepSpeed lays the stages out differently from the ZeRO formulas: stages 1 and 2
 parameter in full *and* an fp32 master copy of the rank's partition of a flat buffer padded
 to a multiple of ``2N``; stage 3 a parameter shard per tensor (padded to a multiple of
 ``N``), a master shard, a gradient buffer kept for the whole run and its reduce bucket;
-``engine.step()`` clears the other gradients. Its collectives differ too: stages 1 and 2
+``engine.step()`` clears the other gradients. Stage 3 does not free every parameter after
+its module's forward, as FSDP does: one used again within ``stage3_max_reuse_distance``
+elements (1e9 by default: the whole step of a small model) stays gathered into backward
+(:meth:`DeepSpeedZero.gathered`). Its collectives differ too: stages 1 and 2
 all-reduce the whole gradient (not a reduce-scatter) and all-gather the updated partitions;
 stage 3 gathers each parameter once per step. DeepSpeed itself is the optional ``deepspeed``
 extra, imported only when an engine is built (:mod:`fsdp_guide.deepspeed`).
@@ -42,13 +45,16 @@ from fsdp_guide.engines._deepspeed_state import (
     zero_stage_of,
 )
 from fsdp_guide.engines._shape import ModelShape
-from fsdp_guide.engines._step import StepPeak, StepSizes
+from fsdp_guide.engines._step import Gathered, StepPeak, StepSizes
+from fsdp_guide.engines._zero3 import DEFAULT_MAX_LIVE, DEFAULT_REUSE_DISTANCE, zero3_gathered
 from fsdp_guide.launcher import check_world_size
 
 __all__ = ["DeepSpeedZero", "deepspeed_layout"]
 
 #: DeepSpeed's default ``reduce_bucket_size`` (elements).
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
+#: The prefetch bucket (elements) :func:`fsdp_guide.deepspeed.zero_config` sets.
+GUIDE_PREFETCH_BUCKET = 2**16
 
 
 def _check_numels(param_numels: int | Sequence[int]) -> list[int]:
@@ -122,6 +128,16 @@ def deepspeed_layout(
     )
 
 
+# The engine's stage-3 settings and the ``zero_optimization`` keys they set.
+_STAGE3_KEYS = {
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeepSpeedZero(Engine):
     """A DeepSpeed engine with torch's Adam (:func:`fsdp_guide.deepspeed.zero_config`).
@@ -140,11 +156,22 @@ class DeepSpeedZero(Engine):
     fp32 master copy, its offloaded gradient        4
     Adam's two moments (and a 4-byte step)          8
     ============================================== =====
+    The ``stage3_*`` settings are DeepSpeed's, in elements (stage 3 only); they default to
+    what the guide trains with: :func:`fsdp_guide.deepspeed.zero_config`'s prefetch bucket
+    and persistence threshold, DeepSpeed's own reuse distance and live limit.
 
     Attributes:
         stage: ZeRO stage, 0 to 3 (the catalog names 1 to 3; 0 is data parallelism).
         offload_optimizer: Keep the optimizer state and its step in host memory.
         offload_params: Keep ZeRO-3's parameter shards in host memory too.
+        prefetch_bucket_size: ``stage3_prefetch_bucket_size``: elements gathered ahead.
+        max_reuse_distance: ``stage3_max_reuse_distance``: a parameter used again within
+            this many elements stays gathered.
+        max_live_parameters: ``stage3_max_live_parameters``: the prefetcher stops here.
+        param_persistence_threshold: ``stage3_param_persistence_threshold``: tensors this
+            small are never partitioned (the state still counts their shard).
+        model_persistence_threshold: ``stage3_model_persistence_threshold``: at most this
+            many elements are persistent.
     """
 
     name = "deepspeed"
@@ -155,10 +182,19 @@ class DeepSpeedZero(Engine):
     stage: int
     offload_optimizer: bool = False
     offload_params: bool = False
+    prefetch_bucket_size: int = GUIDE_PREFETCH_BUCKET
+    max_reuse_distance: int = DEFAULT_REUSE_DISTANCE
+    max_live_parameters: int = DEFAULT_MAX_LIVE
+    param_persistence_threshold: int = 0
+    model_persistence_threshold: int = 2**63 - 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        for name in _STAGE3_KEYS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 elements, got {value!r}")
         if self.offload_params and not (self.stage == 3 and self.offload_optimizer):
             raise ValueError("offload_params needs stage=3 and offload_optimizer=True")
 
@@ -185,6 +221,10 @@ class DeepSpeedZero(Engine):
             offload_optimizer=self.offload_optimizer,
             offload_params=self.offload_params,
         )
+        if self.stage == 3:  # the thresholds the planner follows, handed to DeepSpeed
+            config["zero_optimization"].update(
+                {key: getattr(self, name) for name, key in _STAGE3_KEYS.items()}
+            )
         engine, optimizer = initialize(model, config)
         return engine, cast(torch.optim.Optimizer, optimizer)
 
@@ -232,9 +272,64 @@ class DeepSpeedZero(Engine):
         """ZeRO-3 keeps its gradient partitions and reduce bucket for the whole run."""
         return self.stage == 3
 
+    def gathered(self, sizes: StepSizes, world_size: int) -> Gathered | None:
+        """ZeRO-3: the parameters left gathered when forward returns, and as backward starts.
+
+        A module's parameters stay gathered after its forward when it runs again within
+        ``max_reuse_distance`` elements of parameters (its backward comes after every later
+        module's forward and backward), when the prefetcher has walked past their next use,
+        or when they are persistent; backward's first modules then gather and prefetch up
+        to ``prefetch_bucket_size`` elements more. So a small model keeps every parameter
+        gathered through the end of forward, and a large one only its last modules'.
+        ``None`` for stages 0-2, which keep their parameters whole anyway, and where the
+        modules are not known.
+
+        Each module is taken to run once, children in registration order. With a short
+        reuse distance *and* prefetching, the prefetcher runs ahead of forward into
+        backward; DeepSpeed then gathers fewer parameters again than this counts (an upper
+        bound there).
+
+        Examples:
+            >>> from torch import nn
+            >>> from fsdp_guide.engines import module_calls
+            >>> def sizes(model: nn.Module) -> StepSizes:
+            ...     calls = module_calls(model)
+            ...     psi = calls.num_params
+            ...     return StepSizes(params=4 * psi, grads=4 * psi, largest_unit=0,
+            ...                      largest_unit_grads=0, root_unit=0, activations=0,
+            ...                      calls=calls)
+            >>> small = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+            >>> engine = DeepSpeedZero(stage=3)
+            >>> engine.gathered(sizes(small), 2).after_forward == 4 * 4 * (64 * 64 + 64)
+            True
+            >>> # 8 layers of 268M elements: the last 2 are used again within 1e9 elements
+            >>> # (forward's end and backward's start); backward prefetches a third
+            >>> with torch.device("meta"):
+            ...     large = nn.Sequential(*(nn.Linear(2**14, 2**14) for _ in range(8)))
+            >>> kept = engine.gathered(sizes(large), 2)
+            >>> kept.after_forward // (4 * (2**28 + 2**14)), kept.peak // (4 * (2**28 + 2**14))
+            (2, 3)
+        """
+        if self.stage != 3 or sizes.calls is None or sizes.calls.num_params == 0:
+            return None
+        per = sizes.params // sizes.calls.num_params  # bytes per gathered element
+        after_forward, peak = zero3_gathered(
+            sizes.calls,
+            prefetch_bucket=self.prefetch_bucket_size,
+            reuse_distance=self.max_reuse_distance,
+            max_live=self.max_live_parameters,
+            param_threshold=self.param_persistence_threshold,
+            model_threshold=self.model_persistence_threshold,
+        )
+        return Gathered(
+            after_forward=per * after_forward,
+            peak=per * peak,
+            kind="parameters gathered for reuse within stage3_max_reuse_distance, prefetched",
+        )
+
     def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
-        """ZeRO-3: every activation and every parameter gathered at the start of backward
-        (its prefetch bucket, 5e7 elements by default, holds a small model whole). ZeRO-0/1/2:
+        """ZeRO-3: every activation and the parameters gathered as backward starts
+        (:meth:`gathered`; every parameter where the modules are not known). ZeRO-0/1/2:
         every activation and every gradient, an upper bound (DeepSpeed reduces and frees
         gradients bucket by bucket while backward frees activations).
 
@@ -245,16 +340,19 @@ class DeepSpeedZero(Engine):
             1500
         """
         if self.stage == 3:
+            gathered = self.gathered(sizes, world_size)
             return StepPeak(
-                bytes=sizes.activations + sizes.params,
+                bytes=sizes.activations + (sizes.params if gathered is None else gathered.peak),
                 phase="backward",
-                kind="activations + every parameter gathered (prefetched)",
+                kind="activations + parameters gathered for reuse and prefetched",
             )
         return super().step_peak(sizes, world_size)
 
     def transient(
         self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int
     ) -> Transient:
+        """ZeRO-3 where the modules' order is not known: the largest gathered unit. (The
+        planner reads :meth:`gathered` instead when it knows them.)"""
         if self.stage == 3:
             return Transient(
                 bytes=(param_bytes + grad_bytes) * largest_unit,

@@ -34,11 +34,13 @@ from fsdp_guide.comm import CommPrediction, predict_communication
 from fsdp_guide.engines import (
     ModelShape,
     StepSizes,
+    Transient,
     UnitPolicy,
     UnitRule,
     engine_for,
     follows_units,
     model_shape,
+    module_calls,
     unit_names,
     unit_summary,
 )
@@ -87,7 +89,8 @@ class Plan:
             fullest rank (the one that must fit).
         activations: Bytes autograd saves for backward in this rank's forward.
         transient: The largest buffer that exists only for a while: FSDP's gathered unit (its
-            parameters and unsharded gradients), DDP's gradient bucket.
+            parameters and unsharded gradients), DDP's gradient bucket, the parameters
+            DeepSpeed ZeRO-3 holds gathered as backward starts.
         transient_kind: What ``transient`` is, in words.
         communication: The communication of one step.
         cpu_offload: Whether the model state lives in CPU memory (FSDP's ``CPUOffload``).
@@ -113,6 +116,9 @@ class Plan:
             cut (``plan``'s ``policy``); empty for the others.
         sequence_parallel: Whether the norms and the residual stream are cut along the
             sequence over the tensor-parallel ranks too.
+        kept_params: Bytes of whole parameters still gathered when forward returns,
+            beyond the state, alive with the activations: DeepSpeed ZeRO-3 keeps those it
+            uses again soon (every one of a small model); 0 for the other strategies.
     """
 
     strategy: str
@@ -134,6 +140,7 @@ class Plan:
     tensor_parallel: int = 1
     units: str = ""
     sequence_parallel: bool = False
+    kept_params: int = 0
 
     @property
     def fullest_rank(self) -> int:
@@ -199,6 +206,7 @@ class Plan:
             "tensor_parallel": self.tensor_parallel,
             "units": self.units,
             "sequence_parallel": self.sequence_parallel,
+            "kept_params": self.kept_params,
         }
 
 
@@ -403,8 +411,12 @@ def plan(
         largest_unit_grads=per.grads * largest,
         root_unit=per.params * root,
         activations=activations,
+        calls=module_calls(model),
     )
     peak = engine.step_peak(sizes, dp)
+    gathered = engine.gathered(sizes, dp)
+    if gathered is not None:  # what the engine gathers, known from the modules' order
+        transient = Transient(bytes=gathered.peak, kind=gathered.kind)
     between = tuple(
         replace(
             r,
@@ -434,4 +446,5 @@ def plan(
         tensor_parallel=tp,
         units=unit_summary(model, names, policy) if follows_units(engine) else "",
         sequence_parallel=sp,
+        kept_params=0 if gathered is None else gathered.after_forward,
     )

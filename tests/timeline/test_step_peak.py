@@ -21,13 +21,16 @@ RUNS: list[Run] = [
     ("fsdp2", {"reshard_after_forward": False}),
     ("ddp", {"gradient_as_bucket_view": False}),  # torch's default: buckets beside the grads
     ("zero1", {"gradient_as_bucket_view": False}),
+    ("deepspeed_zero3", {}),
 ]
 
 
 @pytest.fixture(scope="module")
 def measured() -> list[tuple[int, str]]:
     """Each run's peak and its phase, from the attempt of either rank that lost no release."""
-    ranks: list[list[list[Attempt]]] = launch(measure_peaks, world_size=2, args=(RUNS, BATCH))
+    ranks: list[list[list[Attempt]]] = launch(
+        measure_peaks, world_size=2, args=(RUNS, BATCH), timeout=900
+    )
     best = [best_attempt([rank[i] for rank in ranks]) for i in range(len(RUNS))]
     return [(peak, phase) for _, peak, phase in best]
 
