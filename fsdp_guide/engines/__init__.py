@@ -32,14 +32,9 @@ Examples:
 
 from __future__ import annotations
 
-from fsdp_guide.engines._base import (
-    Built,
-    Collectives,
-    Engine,
-    Layout,
-    Transient,
-)
+from fsdp_guide.engines._base import Built, Engine
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
+from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._registry import (
     ENGINES,
     GRAD_BUFFERS,

@@ -1,4 +1,4 @@
-"""What every engine adapter answers: the :class:`Engine` base class and its records (private).
+"""What every engine adapter answers: the :class:`Engine` base class (private).
 
 An *engine* is the implementation that shards (or replicates) a model across ranks: PyTorch
 DDP, ``ZeroRedundancyOptimizer``, FairScale OSS and ShardedDDP, PyTorch FSDP1 and FSDP2,
@@ -7,88 +7,26 @@ settings; the adapter, built from those settings, is the one place that knows ho
 engine wraps a model, what each rank holds and what it sends per step. The rest of the
 package asks it instead of branching on names.
 
-Records are counted in **elements**, not bytes: an engine decides how many parameter,
-gradient and optimizer-state elements a rank keeps, the precision decides how many bytes
-each is (:func:`fsdp_guide.memory.bytes_per_param`).
+Its answers are the records of ``_records.py``, counted in elements, not bytes.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import Gathered, StepPeak, StepSizes
 
 #: What :meth:`Engine.build` returns: the module to train and its optimizer. A DeepSpeed
 #: engine's optimizer is DeepSpeed's ZeRO optimizer, typed as the torch optimizer it wraps.
 Built = tuple[nn.Module, torch.optim.Optimizer]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """What one rank holds after ``optimizer.step()``, in elements.
-
-    Attributes:
-        params: Parameter elements, padding included.
-        grads: Gradient elements kept after the step.
-        optimizer: Elements whose optimizer state (Adam's two moments) this rank keeps.
-        steps: Optimizer step tensors (Adam keeps a 0-d ``step`` per tensor it updates).
-        master: Elements of an fp32 master copy kept apart from ``params`` (DeepSpeed).
-        buckets: Elements of communication buckets kept between steps (DeepSpeed ZeRO-3's
-            reduce bucket, its offload staging buffers).
-        master_grads: Elements of the master copy's own gradient, kept in fp32 whatever the
-            model's precision and counted with the gradients (DeepSpeed's offloaded optimizer).
-
-    Examples:
-        >>> Layout(params=10, grads=10, optimizer=5, steps=1)
-        Layout(params=10, grads=10, optimizer=5, steps=1, master=0, buckets=0, master_grads=0)
-    """
-
-    params: int
-    grads: int
-    optimizer: int
-    steps: int
-    master: int = 0
-    buckets: int = 0
-    master_grads: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class Collectives:
-    """The collectives one rank issues in one training step, by kind.
-
-    Attributes:
-        payload: Payload elements per kind (``"all_reduce"``, ``"reduce_scatter"``, ...):
-            the tensor all-reduced, the full tensor reduce-scattered or all-gathered.
-        groups: Ranks in the group of a kind, where it is not every rank (a hybrid
-            engine's reduce-scatter spans one shard group, its all-reduce the replicas).
-
-    Examples:
-        >>> Collectives(payload={"all_reduce": 10}).groups
-        {}
-    """
-
-    payload: Mapping[str, int]
-    groups: Mapping[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Transient:
-    """The largest buffer a rank holds only for a while during a step, beyond its state.
-
-    Attributes:
-        bytes: Its size.
-        kind: What it is, in words.
-    """
-
-    bytes: int
-    kind: str
 
 
 @dataclass(frozen=True)
@@ -255,6 +193,7 @@ class Engine(ABC):
         """Whether the buckets of :meth:`layout` stay allocated between steps (DDP's, for the
         whole run); by default as the gradients do."""
         return self.grads_between_steps
+
     def gathered(self, sizes: StepSizes, world_size: int) -> Gathered | None:
         """Whole parameters the engine keeps beyond its shards, where its planner reports
         them apart from :meth:`transient` (DeepSpeed ZeRO-3); ``None`` for the others,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from fsdp_guide.engines._base import Layout
+from fsdp_guide.engines._records import Layout
 
 
 def greedy_partition(numels: Sequence[int], ranks: int) -> list[list[int]]:

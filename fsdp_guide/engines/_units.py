@@ -269,13 +269,13 @@ def unit_summary(model: nn.Module, names: Sequence[str], rule: UnitRule | UnitPo
         kind = type(model.get_submodule(name)).__name__
         counts[kind] = counts.get(kind, 0) + 1
     classes = ", ".join(f"{kind} ({n})" for kind, n in counts.items())
-    from fsdp_guide.wrap import LayerPolicy, SizePolicy  # the wrap package imports engines
-
-    if rule == "blocks" or isinstance(rule, LayerPolicy):
+    # Read by attribute: the wrap package's policies are built on this one (it imports engines).
+    if rule == "blocks" or hasattr(rule, "layer_classes"):
         return f"a unit per {classes} + the root"
-    if isinstance(rule, SizePolicy):
+    smallest = getattr(rule, "min_num_params", None)
+    if isinstance(smallest, int):
         return (
-            f"a unit per module of >= {rule.min_num_params:,} parameters not in a smaller "
+            f"a unit per module of >= {smallest:,} parameters not in a smaller "
             f"unit: {classes} + the root"
         )
     return f"{rule!r}: {classes} + the root"

@@ -26,15 +26,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from fsdp_guide.engines._base import (
-    Built,
-    Collectives,
-    Engine,
-    Layout,
-    Transient,
-    adam,
-    replicated,
-)
+from fsdp_guide.engines._base import Built, Engine, adam, replicated
+from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._step import StepPeak, StepSizes
 
 __all__ = ["DDP"]

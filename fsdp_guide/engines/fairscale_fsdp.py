@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_guide.engines._base import Built, Collectives, Layout, Transient, adam, fully_sharded
+from fsdp_guide.engines._base import Built, adam, fully_sharded
 from fsdp_guide.engines._checkpoint import rank
+from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 from fsdp_guide.engines.fsdp1 import FSDP1
 from fsdp_guide.errors import EngineUnavailableError

@@ -26,16 +26,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fsdp_guide.engines._base import (
-    Built,
-    Collectives,
-    Layout,
-    Transient,
-    adam,
-    fully_sharded,
-    replicated,
-)
+from fsdp_guide.engines._base import Built, adam, fully_sharded, replicated
 from fsdp_guide.engines._checkpoint import TorchStateDict
+from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
 from fsdp_guide.engines._units import (

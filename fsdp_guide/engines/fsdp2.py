@@ -30,15 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_guide.engines._base import (
-    Built,
-    Collectives,
-    Layout,
-    Transient,
-    adam,
-    fully_sharded,
-)
+from fsdp_guide.engines._base import Built, adam, fully_sharded
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
+from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
 from fsdp_guide.engines._units import (

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_guide.engines._base import Built, Collectives, Layout
+from fsdp_guide.engines._base import Built
 from fsdp_guide.engines._checkpoint import consolidated_everywhere
 from fsdp_guide.engines._partition import largest_first, owned_layout
+from fsdp_guide.engines._records import Collectives, Layout
 from fsdp_guide.engines.ddp import DDP
 
 __all__ = ["OSS"]

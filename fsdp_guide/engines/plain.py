@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient, adam
+from fsdp_guide.engines._base import Built, Engine, adam
+from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines.ddp import DDP
 
 __all__ = ["Plain"]

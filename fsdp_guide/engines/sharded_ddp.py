@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_guide.engines._base import Built, Collectives, Engine, Layout, Transient
+from fsdp_guide.engines._base import Built, Engine
 from fsdp_guide.engines._checkpoint import consolidated_everywhere
 from fsdp_guide.engines._partition import largest_first, owned_layout
+from fsdp_guide.engines._records import Collectives, Layout, Transient
 
 __all__ = ["ShardedDDP"]
 

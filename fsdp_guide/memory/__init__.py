@@ -52,7 +52,8 @@ from __future__ import annotations
 
 from fsdp_guide.memory._allocations import Allocations, track_allocations
 from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
-from fsdp_guide.memory._plan import Plan, plan
+from fsdp_guide.memory._plan import plan
+from fsdp_guide.memory._plan_record import Plan
 from fsdp_guide.memory._predict import (
     estimate_deepspeed_state,
     predict_model_state,

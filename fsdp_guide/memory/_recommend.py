@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from fsdp_guide.catalog import get_strategy
 from fsdp_guide.engines import engine_class
-from fsdp_guide.memory._plan import Plan
+from fsdp_guide.memory._plan_record import Plan
 
 
 def maintenance_rank(strategy: str) -> int:

@@ -1,0 +1,144 @@
+"""What :func:`fsdp_guide.memory.plan` returns: the :class:`Plan` of one strategy (private)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_guide.comm import CommPrediction
+from fsdp_guide.memory._state import ModelState
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What one rank holds at its peak in a training step, planned by :func:`plan`.
+
+    Attributes:
+        strategy: The catalog name of the strategy.
+        world_size: Ranks.
+        num_params: Parameters of the model (``Ψ``).
+        precision: ``"fp32"`` or ``"mixed"``.
+        state: Parameters, gradients and optimizer state after ``optimizer.step()`` on the
+            fullest rank (the one that must fit).
+        activations: Bytes autograd saves for backward in this rank's forward.
+        transient: The largest buffer that exists only for a while: FSDP's gathered unit (its
+            parameters and unsharded gradients), DDP's gradient bucket, the parameters
+            DeepSpeed ZeRO-3 holds gathered as backward starts.
+        transient_kind: What ``transient`` is, in words.
+        communication: The communication of one step.
+        cpu_offload: Whether the model state lives in CPU memory (FSDP's ``CPUOffload``).
+        ranks: The state of each rank, ``ranks[r]`` for rank ``r``: they differ where the
+            optimizer owns whole tensors or a shard is padded.
+        exact_state: Whether ``ranks`` follow the engine's layout to the byte (``False``:
+            the ZeRO formula, for an engine the planner does not know).
+        between_steps: The state each rank keeps between steps, ``between_steps[r]`` for
+            rank ``r``: ``ranks`` less the gradients and buckets ``zero_grad()`` frees (what
+            :func:`~fsdp_guide.memory.measure_model_state` counts after it).
+        step_peak: The most bytes held at once during a steady training step: the state
+            kept between steps (gradients freed by ``zero_grad()`` left out, buckets an
+            engine keeps for the whole run, such as DDP's, counted), the
+            activations and the buffers alive at that moment, as the engine says
+            (:meth:`fsdp_guide.engines.Engine.step_peak`).
+        step_peak_phase: Where in the step it falls.
+        step_peak_kind: What is held then beyond the state, in words.
+        tensor_parallel: Ranks of each tensor-parallel group (1: none); the state,
+            activations and communication are then those of one rank of a
+            ``(world_size // tensor_parallel, tensor_parallel)`` mesh.
+        units: How the model is cut into units, in words (``"a unit per Block (2) + the
+            root"``, ``"the whole model (root)"``), for a strategy whose figures follow the
+            cut (``plan``'s ``policy``); empty for the others.
+        sequence_parallel: Whether the norms and the residual stream are cut along the
+            sequence over the tensor-parallel ranks too.
+        kept_params: Bytes of whole parameters still gathered when forward returns,
+            beyond the state, alive with the activations: DeepSpeed ZeRO-3 keeps those it
+            uses again soon (every one of a small model); 0 for the other strategies.
+    """
+
+    strategy: str
+    world_size: int
+    num_params: int
+    precision: str
+    state: ModelState
+    activations: int
+    transient: int
+    transient_kind: str
+    communication: CommPrediction
+    cpu_offload: bool = False
+    ranks: tuple[ModelState, ...] = ()
+    exact_state: bool = True
+    between_steps: tuple[ModelState, ...] = ()
+    step_peak: int = 0
+    step_peak_phase: str = ""
+    step_peak_kind: str = ""
+    tensor_parallel: int = 1
+    units: str = ""
+    sequence_parallel: bool = False
+    kept_params: int = 0
+
+    @property
+    def fullest_rank(self) -> int:
+        """The rank whose state is ``state`` (the lowest, when several hold as much)."""
+        return self.ranks.index(self.state) if self.state in self.ranks else 0
+
+    @property
+    def device_state(self) -> int:
+        """Bytes of model state on the accelerator on the fullest rank, none with CPU offload."""
+        return 0 if self.cpu_offload else self.state.total
+
+    @property
+    def total(self) -> int:
+        """Peak bytes on the fullest rank (model state, activations, transient buffer)."""
+        return self.device_state + self.activations + self.transient
+
+    def rank_total(self, rank: int) -> int:
+        """Peak bytes on the accelerator of ``rank``."""
+        state = 0 if self.cpu_offload else self.ranks[rank].total
+        return state + self.activations + self.transient
+
+    def fits(self, gpu_memory: int, margin: float = 0.1, rank: int | None = None) -> bool:
+        """Whether the fullest rank (or ``rank``) fits ``gpu_memory`` less the ``margin`` share.
+
+        Examples:
+            >>> from fsdp_guide.memory import plan
+            >>> from fsdp_guide.models import MLP
+            >>> p = plan(MLP(4, 8, 1, 2), batch_size=2, seq_len=1, world_size=2, strategy="ddp")
+            >>> p.fits(p.total), p.fits(p.total, margin=0.0)
+            (False, True)
+        """
+        total = self.total if rank is None else self.rank_total(rank)
+        return total <= gpu_memory * (1 - margin)
+
+    def as_dict(self, rank: int | None = None) -> dict[str, int | str | bool]:
+        """The plan of one rank (the fullest by default) as JSON-ready values, bytes as integers.
+
+        Examples:
+            >>> from fsdp_guide.memory import plan
+            >>> from fsdp_guide.models import MLP
+            >>> p = plan(MLP(4, 8, 1, 2), batch_size=2, seq_len=1, world_size=2, strategy="zero1")
+            >>> p.as_dict()["activations"], p.as_dict()["total"] == p.total
+            (128, True)
+            >>> [p.as_dict(r)["optimizer"] for r in range(2)]  # tensors of 32 and 8+16+2 elements
+            [260, 220]
+        """
+        index = self.fullest_rank if rank is None else rank
+        state = self.ranks[index] if self.ranks else self.state
+        return {
+            "strategy": self.strategy,
+            "rank": index,
+            "world_size": self.world_size,
+            "num_params": self.num_params,
+            "precision": self.precision,
+            "cpu_offload": self.cpu_offload,
+            **{k: v for k, v in state.as_dict().items() if k != "total"},
+            "model_state": state.total,
+            "exact_state": self.exact_state,
+            "activations": self.activations,
+            "transient": self.transient,
+            "transient_kind": self.transient_kind,
+            "communication": self.communication.payload_bytes,
+            "total": self.rank_total(index) if self.ranks else self.total,
+            "step_peak": self.step_peak,
+            "tensor_parallel": self.tensor_parallel,
+            "units": self.units,
+            "sequence_parallel": self.sequence_parallel,
+            "kept_params": self.kept_params,
+        }
