@@ -50,7 +50,7 @@ from fsdp_guide.engines._registry import (
     wrap_for_strategy,
 )
 from fsdp_guide.engines._shape import ModelShape
-from fsdp_guide.engines._step import ModuleCalls, StepPeak, StepSizes, module_calls
+from fsdp_guide.engines._step import Gathered, ModuleCalls, StepPeak, StepSizes, module_calls
 from fsdp_guide.engines._units import (
     UNIT_RULES,
     UnitEngine,
@@ -88,6 +88,7 @@ __all__ = [
     "DeepSpeedZero",
     "Engine",
     "FairScaleFSDP",
+    "Gathered",
     "Layout",
     "ModelShape",
     "ModuleCalls",

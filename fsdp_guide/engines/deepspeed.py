@@ -68,14 +68,15 @@ class DeepSpeedZero(Engine):
     accumulation, which the guide does not ask for) and :func:`deepspeed_layout`'s elements,
     at these bytes per element:
 
-    ============================================== =====
+    =============================================== =====
     what                                            bytes
-    ============================================== =====
+    =============================================== =====
     parameters, the offloaded partition to gather   2
     gradient partitions, reduce and staging buckets 2
     fp32 master copy, its offloaded gradient        4
     Adam's two moments (and a 4-byte step)          8
-    ============================================== =====
+    =============================================== =====
+
     The ``stage3_*`` settings are DeepSpeed's, in elements (stage 3 only); they default to
     what the guide trains with: :func:`fsdp_guide.deepspeed.zero_config`'s prefetch bucket
     and persistence threshold, DeepSpeed's own reuse distance and live limit.
