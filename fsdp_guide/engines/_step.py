@@ -16,6 +16,7 @@ class StepSizes:
         largest_unit_grads: Its gradients, at ``G``.
         root_unit: Parameters of the root unit (outside the blocks), at ``P``.
         activations: What autograd saves in this rank's forward.
+        blocks: How many units there are besides the root; ``None`` when not counted.
     """
 
     params: int
@@ -24,6 +25,7 @@ class StepSizes:
     largest_unit_grads: int
     root_unit: int
     activations: int
+    blocks: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

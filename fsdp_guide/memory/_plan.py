@@ -357,6 +357,7 @@ def plan(
         largest_unit_grads=per.grads * largest,
         root_unit=per.params * root,
         activations=activations,
+        blocks=len(shape.units) - 1,
     )
     peak = engine.step_peak(sizes, dp)
     kept = state.total if engine.grads_between_steps else state.total - state.grads - state.buckets
