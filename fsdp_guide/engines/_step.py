@@ -77,6 +77,7 @@ class StepSizes:
         activations: What autograd saves in this rank's forward.
         calls: The modules forward runs, with their parameters, where an engine's answer
             depends on their order (DeepSpeed ZeRO-3); ``None`` where not known.
+        blocks: How many units there are besides the root; ``None`` when not counted.
     """
 
     params: int
@@ -86,6 +87,7 @@ class StepSizes:
     root_unit: int
     activations: int
     calls: ModuleCalls | None = None
+    blocks: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -98,6 +98,45 @@ def rows_per_shard(shapes: Sequence[Sequence[int]], group: int) -> tuple[int, li
     return padded, list(itertools.accumulate(diff[:group]))
 
 
+def _check_prefetch(name: str, value: object) -> int:
+    """``value`` as a prefetch count, or a ``ValueError`` that says what to give instead."""
+    # A bool is an int to Python, but True here is FSDP1's switch, not a count of blocks.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        fsdp1 = "forward_prefetch=True" if name == "forward_prefetch" else "'BACKWARD_PRE'"
+        raise ValueError(
+            f"FSDP2's {name} is how many blocks each block gathers ahead: give an int >= 0 "
+            f"(0 keeps FSDP2's own order; FSDP1's {fsdp1} is 1), got {value!r}"
+        )
+    return value
+
+
+def _set_prefetch(blocks: Sequence[nn.Module], *, forward: int = 0, backward: int = 0) -> None:
+    """Have each of ``blocks`` (units, in forward order) gather ``forward`` next blocks as its
+    forward starts and ``backward`` previous ones as its backward starts.
+
+    A count of ``0`` leaves that pass to FSDP2's own order (each block gathered as it
+    starts, and in backward the next one ahead). The last blocks prefetch what is left.
+
+    Raises:
+        ValueError: A count that is not an int >= 0.
+
+    Examples:
+        >>> _set_prefetch([], forward=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: FSDP2's forward_prefetch is how many blocks each block gathers ahead: ...
+    """
+    forward = _check_prefetch("forward_prefetch", forward)
+    backward = _check_prefetch("backward_prefetch", backward)
+    units: list[Any] = list(blocks)
+    for index, block in enumerate(units):
+        if forward:
+            block.set_modules_to_forward_prefetch(units[index + 1 : index + 1 + forward])
+        if backward and index:  # the first block has none before it: FSDP2's own is the same
+            # Nearest first: backward reaches block index - 1, then index - 2, ...
+            block.set_modules_to_backward_prefetch(units[max(index - backward, 0) : index][::-1])
+
+
 def _fsdp_module() -> type[Any]:
     from torch.distributed.fsdp import FSDPModule
 
@@ -117,6 +156,12 @@ class FSDP2(TorchStateDict, UnitEngine):
             block's gathered parameters after its forward (gathered again for backward),
             ``False`` keeps them until backward, an int ``k`` keeps a ``1 / k`` shard of them
             (gathered again from ``k`` ranks for backward).
+        forward_prefetch: How many of the next blocks each block gathers as its forward
+            starts (``FSDPModule.set_modules_to_forward_prefetch``); ``0`` leaves FSDP2's
+            own order: each block gathered as its forward starts.
+        backward_prefetch: How many of the blocks backward reaches next each block gathers
+            as its backward starts (``FSDPModule.set_modules_to_backward_prefetch``); ``0``
+            leaves FSDP2's own: the next one.
 
     Examples:
         >>> hsdp = FSDP2(shard_group=2)
@@ -135,6 +180,8 @@ class FSDP2(TorchStateDict, UnitEngine):
     shard_group: int | None = None
     wrap: UnitRule = "blocks"
     reshard_after_forward: bool | int = True
+    forward_prefetch: int = 0
+    backward_prefetch: int = 0
 
     def __post_init__(self) -> None:
         if self.wrap not in UNIT_RULES:
@@ -144,6 +191,8 @@ class FSDP2(TorchStateDict, UnitEngine):
             isinstance(group, bool) or not isinstance(group, int) or group < 1
         ):
             raise ValueError(f"shard_group must be an int >= 1 or None, got {group!r}")
+        for name in ("forward_prefetch", "backward_prefetch"):
+            _check_prefetch(name, getattr(self, name))
 
     @classmethod
     def recognises(cls, model: nn.Module, optimizer: object) -> bool:
@@ -173,10 +222,11 @@ class FSDP2(TorchStateDict, UnitEngine):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.mesh(device, world_size)
-        for name in unit_names(model, self.wrap):  # children before parents
-            block = model.get_submodule(name)
+        blocks = [model.get_submodule(name) for name in unit_names(model, self.wrap)]
+        for block in blocks:  # children before parents
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         fully_shard(model, mesh=mesh)
+        _set_prefetch(blocks, forward=self.forward_prefetch, backward=self.backward_prefetch)
         return model, adam(model.parameters(), lr)
 
     @property
@@ -204,21 +254,35 @@ class FSDP2(TorchStateDict, UnitEngine):
         )
 
     def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
-        """Where ``reshard_after_forward`` puts the peak of a step.
+        """Where ``reshard_after_forward`` and the prefetch counts put the peak of a step.
 
         ``True``: at the start of backward, every activation, the root's parameters (kept
-        from forward), two blocks gathered (the one running and the next, prefetched) and the
-        running block's unsharded gradients. ``False``: at the end of forward, every
-        activation and every parameter gathered, plus the copy-out buffer of the last
-        all-gather (a block). An int ``k``: as ``True``, plus the ``1 / k`` share each other
-        block keeps from forward (the two gathered blocks were gathered from theirs, which
-        are freed).
+        from forward), the running block gathered, the blocks gathered ahead of it (one by
+        default; ``backward_prefetch`` of them when it is more, as far as there are blocks
+        before it) and the running block's unsharded gradients. ``False``: at the end of
+        forward, every activation and every parameter gathered, plus the copy-out buffer of
+        the last all-gather (a block). An int ``k``: as ``True``, plus the ``1 / k`` share
+        each other block keeps from forward (the gathered blocks were gathered from theirs,
+        which are freed).
+
+        ``forward_prefetch`` holds its blocks' all-gather buffers in forward, beside the
+        running block and its copy-out buffer, while only the activations saved so far are
+        held (taken as an equal share per block): it moves the peak into forward only where
+        those buffers outweigh the activations the later blocks save, as with small batches.
 
         Examples:
             >>> sizes = StepSizes(params=1000, grads=1000, largest_unit=200,
-            ...                   largest_unit_grads=200, root_unit=200, activations=500)
+            ...                   largest_unit_grads=200, root_unit=200, activations=500,
+            ...                   blocks=4)
             >>> [FSDP2(reshard_after_forward=r).step_peak(sizes, 4).bytes for r in (True, False, 2)]
             [1300, 1700, 1500]
+            >>> [FSDP2(backward_prefetch=b).step_peak(sizes, 4).bytes for b in (1, 2, 3, 9)]
+            [1300, 1500, 1700, 1700]
+            >>> few = StepSizes(params=1000, grads=1000, largest_unit=200,
+            ...                 largest_unit_grads=200, root_unit=200, activations=100, blocks=4)
+            >>> [(p.bytes, p.phase) for p in (FSDP2(forward_prefetch=f).step_peak(few, 4)
+            ...                                for f in (0, 2))]
+            [(900, 'backward'), (1050, 'forward')]
         """
         a, unit = sizes.activations, sizes.largest_unit
         if self.reshard_after_forward is False:
@@ -227,15 +291,45 @@ class FSDP2(TorchStateDict, UnitEngine):
                 phase="forward",
                 kind="activations + every parameter gathered + one all-gather buffer",
             )
+        ahead = max(self.backward_prefetch, 1)  # FSDP2's own: the next block
+        if sizes.blocks is not None and sizes.blocks > 1:
+            ahead = min(ahead, sizes.blocks - 1)
+        gathered = 1 + ahead
         kept = 0
         if self.reshard_after_forward is not True:
-            others = sizes.params - sizes.root_unit - 2 * unit
+            others = sizes.params - sizes.root_unit - gathered * unit
             kept = max(others, 0) // int(self.reshard_after_forward)
-        return StepPeak(
-            bytes=a + sizes.root_unit + kept + 2 * unit + sizes.largest_unit_grads,
+        words = "two gathered blocks" if gathered == 2 else f"{gathered} gathered blocks"
+        backward = StepPeak(
+            bytes=a + sizes.root_unit + kept + gathered * unit + sizes.largest_unit_grads,
             phase="backward",
-            kind="activations + root + two gathered blocks + a block's gradients"
+            kind=f"activations + root + {words} + a block's gradients"
             + (" + the other blocks' shares kept from forward" if kept else ""),
+        )
+        forward = self._forward_prefetch_peak(sizes)
+        return forward if forward is not None and forward.bytes > backward.bytes else backward
+
+    def _forward_prefetch_peak(self, sizes: StepSizes) -> StepPeak | None:
+        """The most held in forward with ``forward_prefetch``: at block ``i`` of ``n``, the
+        activations of blocks ``0..i``, the root, block ``i`` and its copy-out buffer, and the
+        buffers of the blocks after it that it prefetched."""
+        n = sizes.blocks
+        if not self.forward_prefetch or not n:
+            return None
+        # Resharded to a 1 / k share, the blocks done so far keep theirs until backward.
+        share = 0 if self.reshard_after_forward is True else int(self.reshard_after_forward)
+        best = (0, 0)
+        for index in range(n):
+            ahead = min(self.forward_prefetch, n - 1 - index)
+            held = sizes.activations * (index + 1) // n + (2 + ahead) * sizes.largest_unit
+            held += index * sizes.largest_unit // share if share else 0
+            best = max(best, (held, ahead))
+        held, ahead = best
+        return StepPeak(
+            bytes=held + sizes.root_unit,
+            phase="forward",
+            kind="activations so far + root + a block gathered + its all-gather buffer"
+            + f" + {ahead} prefetched",
         )
 
     def collectives(
@@ -308,12 +402,23 @@ class FSDP2(TorchStateDict, UnitEngine):
     def shard(
         self, module: nn.Module, policy: UnitPolicy | None, options: dict[str, Any]
     ) -> nn.Module:
+        """``fully_shard`` on each unit, then the root; ``forward_prefetch`` and
+        ``backward_prefetch`` among ``options`` are the counts of :class:`FSDP2`'s settings,
+        applied to the units once every one is sharded."""
         from torch.distributed.fsdp import fully_shard
 
+        options = dict(options)
+        # Checked before anything is sharded, so a bad count leaves the model as it was.
+        forward = options.pop("forward_prefetch", self.forward_prefetch)
+        backward = options.pop("backward_prefetch", self.backward_prefetch)
+        forward = _check_prefetch("forward_prefetch", forward)
+        backward = _check_prefetch("backward_prefetch", backward)
         names = policy.select(module) if policy is not None else []
-        for name in names:  # children before parents, as fully_shard requires
-            fully_shard(module.get_submodule(name), **options)
+        units = [module.get_submodule(name) for name in names]
+        for unit in units:  # children before parents, as fully_shard requires
+            fully_shard(unit, **options)
         fully_shard(module, **options)
+        _set_prefetch(units, forward=forward, backward=backward)
         return module
 
     def wrap_unit(

@@ -278,6 +278,7 @@ def plan(
         root_unit=per.params * root,
         activations=activations,
         calls=module_calls(model),
+        blocks=len(shape.units) - 1,
     )
     peak = engine.step_peak(sizes, dp)
     gathered = engine.gathered(sizes, dp)

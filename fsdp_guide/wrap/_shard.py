@@ -67,7 +67,8 @@ def shard(
         policy: Which submodules become units of their own.
         **engine_options: Passed to the engine's wrapper (e.g. ``sharding_strategy`` for
             FSDP1, ``reshard_after_forward`` or ``mesh`` for FSDP2, ``mixed_precision`` for
-            FairScale).
+            FairScale); FSDP2 also takes ``forward_prefetch`` and ``backward_prefetch``, how
+            many blocks each unit gathers ahead (:class:`~fsdp_guide.engines.FSDP2`).
 
     Returns:
         The sharded model, a new wrapper for ``"fsdp1"`` and ``"fairscale_fsdp"`` and
@@ -75,7 +76,8 @@ def shard(
 
     Raises:
         ValueError: Unknown engine; a policy given for a model that already has units;
-            ``auto_wrap_policy`` among the engine options.
+            ``auto_wrap_policy`` among the engine options; an FSDP2 prefetch count that is
+            not an int >= 0.
         EngineUnavailableError: ``"fairscale_fsdp"`` without CUDA (raised before anything else),
             or in a process group that does not use NCCL.
         TypeError: ``module`` is not a Module or ``policy`` not a WrapPolicy.

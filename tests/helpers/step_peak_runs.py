@@ -36,7 +36,7 @@ def build(strategy: str, settings: dict[str, Any]) -> tuple[torch.nn.Module, Any
             )
         return model, torch.optim.Adam(model.parameters(), lr=1e-3)
     options = dict(settings)
-    if "backward_prefetch" in options:  # the adapter's name, FSDP1's enum
+    if strategy == "fsdp" and "backward_prefetch" in options:  # the adapter's name, FSDP1's enum
         from torch.distributed.fsdp import BackwardPrefetch
 
         name = options["backward_prefetch"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -22,6 +23,8 @@ RUNS: list[Run] = [
     ("ddp", {"gradient_as_bucket_view": False}),  # torch's default: buckets beside the grads
     ("zero1", {"gradient_as_bucket_view": False}),
     ("deepspeed_zero3", {}),
+    ("fsdp2", {"backward_prefetch": 2}),
+    ("fsdp2", {"forward_prefetch": 2}),
 ]
 
 
@@ -58,6 +61,29 @@ def test_the_knobs_move_the_peak_as_measured(measured: list[tuple[int, str]]) ->
     assert planned[3] < planned[2] and planned[5] > planned[4]
 
 
+def test_fsdp2_explicit_prefetch_moves_the_peak_as_measured(
+    measured: list[tuple[int, str]],
+) -> None:
+    peaks = {str(run): peak for run, (peak, _) in zip(RUNS, measured, strict=True)}
+    default = peaks["('fsdp2', {})"]
+    # Two blocks gathered ahead of the running one in backward: one block more than FSDP2's
+    # own prefetch, at the start of backward where every activation is still held.
+    added = peaks["('fsdp2', {'backward_prefetch': 2})"] - default
+    planned_added = (
+        _planned("fsdp2", {"backward_prefetch": 2}).step_peak - _planned("fsdp2", {}).step_peak
+    )
+    assert planned_added > 0 and abs(added - planned_added) < 0.05 * planned_added, (
+        added,
+        planned_added,
+    )
+    # Two blocks gathered ahead in forward leave the peak where it was: they are held while
+    # the later blocks' activations (more bytes than a block's parameters at this batch)
+    # are not saved yet, so the start of backward still holds more.
+    forward = peaks["('fsdp2', {'forward_prefetch': 2})"]
+    assert abs(forward - default) < planned_added / 2, (forward, default)
+    assert _planned("fsdp2", {"forward_prefetch": 2}).step_peak == _planned("fsdp2", {}).step_peak
+
+
 SIZES = StepSizes(
     params=1000, grads=1000, largest_unit=200, largest_unit_grads=200, root_unit=100, activations=50
 )
@@ -85,6 +111,35 @@ def test_what_each_engine_holds_at_the_peak(engine: Any, expected: int) -> None:
     assert engine.step_peak(SIZES, 2).bytes == expected
 
 
+@pytest.mark.parametrize(
+    ("engine", "activations", "expected"),
+    [
+        # Backward: the running block and, nearest first, as many before it as asked (at
+        # least FSDP2's own one, at most the 3 blocks there are before the last).
+        (FSDP2(backward_prefetch=1), 50, (50 + 100 + 400 + 200, "backward")),
+        (FSDP2(backward_prefetch=2), 50, (50 + 100 + 600 + 200, "backward")),
+        (FSDP2(backward_prefetch=9), 50, (50 + 100 + 800 + 200, "backward")),
+        (
+            FSDP2(reshard_after_forward=2, backward_prefetch=2),
+            50,
+            (50 + 100 + (1000 - 100 - 600) // 2 + 600 + 200, "backward"),
+        ),
+        # Forward, at block 1 of 4: blocks 0-1's activations, the root, block 1 and its
+        # buffer, blocks 2-3's buffers; above backward's 1300 only when activations are few.
+        (FSDP2(forward_prefetch=2), 50, (25 + 100 + 800, "forward")),
+        (FSDP2(forward_prefetch=2), 800, (800 + 100 + 400 + 200, "backward")),
+        (FSDP2(forward_prefetch=2, reshard_after_forward=False), 50, (50 + 1000 + 200, "forward")),
+    ],
+    ids=str,
+)
+def test_what_fsdp2_holds_at_the_peak_with_explicit_prefetch(
+    engine: FSDP2, activations: int, expected: tuple[int, str]
+) -> None:
+    sizes = replace(SIZES, activations=activations, blocks=4)
+    peak = engine.step_peak(sizes, 2)
+    assert (peak.bytes, peak.phase) == expected
+
+
 def test_unknown_settings_are_named() -> None:
     from fsdp_guide.errors import PlanError
 
@@ -94,3 +149,12 @@ def test_unknown_settings_are_named() -> None:
         _planned("fsdp2", {"reshard": False})
     with pytest.raises(PlanError, match="backward_prefetch must be"):
         _planned("fsdp", {"backward_prefetch": "SOON"})
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, None], ids=repr)
+@pytest.mark.parametrize("name", ["forward_prefetch", "backward_prefetch"])
+def test_a_bad_fsdp2_prefetch_count_is_named_with_the_fix(name: str, bad: Any) -> None:
+    from fsdp_guide.errors import PlanError
+
+    with pytest.raises(PlanError, match=rf"FSDP2's {name} is how many blocks .* give an int >= 0"):
+        _planned("fsdp2", {name: bad})

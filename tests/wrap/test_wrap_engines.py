@@ -338,3 +338,40 @@ def test_engines_are_named_as_in_the_catalog_and_old_names_still_work(old: str, 
             get_unit_engine(old)
     else:
         assert get_unit_engine(old).name == new
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize(
+    ("counts", "forward", "backward"),
+    [
+        # Block i gathers the next blocks in forward and, nearest first, the earlier ones in
+        # backward; the last blocks prefetch what is left, 0 leaves FSDP2's own order.
+        ({"forward_prefetch": 2}, [[1, 2], [2], []], [[], [], []]),
+        ({"backward_prefetch": 2}, [[], [], []], [[], [0], [1, 0]]),
+        ({"forward_prefetch": 1, "backward_prefetch": 5}, [[1], [2], []], [[], [0], [1, 0]]),
+    ],
+)
+def test_fsdp2_prefetch_counts_become_each_blocks_prefetch_list(
+    counts: dict[str, int], forward: list[list[int]], backward: list[list[int]]
+) -> None:
+    torch.manual_seed(0)
+    model = shard(
+        TinyTransformer(TransformerConfig(vocab_size=64, dim=32, n_heads=2, n_layers=3)),
+        engine="fsdp2",
+        policy=LayerPolicy(Block),
+        **counts,
+    )
+    states = [block._get_fsdp_state() for block in model.blocks]
+    # FSDPModule.set_modules_to_*_prefetch record the targets' states only there.
+    assert [[states.index(s) for s in st._states_to_forward_prefetch] for st in states] == forward
+    assert [[states.index(s) for s in st._states_to_backward_prefetch] for st in states] == backward
+
+
+@pytest.mark.usefixtures("one_rank_group")
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "2"], ids=repr)
+@pytest.mark.parametrize("name", ["forward_prefetch", "backward_prefetch"])
+def test_a_bad_fsdp2_prefetch_count_is_refused_before_sharding(name: str, bad: Any) -> None:
+    model = build()
+    with pytest.raises(ValueError, match=rf"FSDP2's {name} is how many blocks .* give an int >= 0"):
+        shard(model, engine="fsdp2", policy=LayerPolicy(Block), **{name: bad})
+    assert sharded_units(model) == {}  # nothing was sharded
