@@ -32,6 +32,7 @@ from torch import nn
 
 from fsdp_guide.engines._base import Built, adam, fully_sharded
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
+from fsdp_guide.engines._fsdp2_prefetch import check_prefetch, set_prefetch
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
@@ -98,45 +99,6 @@ def rows_per_shard(shapes: Sequence[Sequence[int]], group: int) -> tuple[int, li
     return padded, list(itertools.accumulate(diff[:group]))
 
 
-def _check_prefetch(name: str, value: object) -> int:
-    """``value`` as a prefetch count, or a ``ValueError`` that says what to give instead."""
-    # A bool is an int to Python, but True here is FSDP1's switch, not a count of blocks.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        fsdp1 = "forward_prefetch=True" if name == "forward_prefetch" else "'BACKWARD_PRE'"
-        raise ValueError(
-            f"FSDP2's {name} is how many blocks each block gathers ahead: give an int >= 0 "
-            f"(0 keeps FSDP2's own order; FSDP1's {fsdp1} is 1), got {value!r}"
-        )
-    return value
-
-
-def _set_prefetch(blocks: Sequence[nn.Module], *, forward: int = 0, backward: int = 0) -> None:
-    """Have each of ``blocks`` (units, in forward order) gather ``forward`` next blocks as its
-    forward starts and ``backward`` previous ones as its backward starts.
-
-    A count of ``0`` leaves that pass to FSDP2's own order (each block gathered as it
-    starts, and in backward the next one ahead). The last blocks prefetch what is left.
-
-    Raises:
-        ValueError: A count that is not an int >= 0.
-
-    Examples:
-        >>> _set_prefetch([], forward=-1)
-        Traceback (most recent call last):
-        ...
-        ValueError: FSDP2's forward_prefetch is how many blocks each block gathers ahead: ...
-    """
-    forward = _check_prefetch("forward_prefetch", forward)
-    backward = _check_prefetch("backward_prefetch", backward)
-    units: list[Any] = list(blocks)
-    for index, block in enumerate(units):
-        if forward:
-            block.set_modules_to_forward_prefetch(units[index + 1 : index + 1 + forward])
-        if backward and index:  # the first block has none before it: FSDP2's own is the same
-            # Nearest first: backward reaches block index - 1, then index - 2, ...
-            block.set_modules_to_backward_prefetch(units[max(index - backward, 0) : index][::-1])
-
-
 def _fsdp_module() -> type[Any]:
     from torch.distributed.fsdp import FSDPModule
 
@@ -192,7 +154,7 @@ class FSDP2(TorchStateDict, UnitEngine):
         ):
             raise ValueError(f"shard_group must be an int >= 1 or None, got {group!r}")
         for name in ("forward_prefetch", "backward_prefetch"):
-            _check_prefetch(name, getattr(self, name))
+            check_prefetch(name, getattr(self, name))
 
     @classmethod
     def recognises(cls, model: nn.Module, optimizer: object) -> bool:
@@ -226,7 +188,7 @@ class FSDP2(TorchStateDict, UnitEngine):
         for block in blocks:  # children before parents
             fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         fully_shard(model, mesh=mesh)
-        _set_prefetch(blocks, forward=self.forward_prefetch, backward=self.backward_prefetch)
+        set_prefetch(blocks, forward=self.forward_prefetch, backward=self.backward_prefetch)
         return model, adam(model.parameters(), lr)
 
     @property
@@ -411,14 +373,14 @@ class FSDP2(TorchStateDict, UnitEngine):
         # Checked before anything is sharded, so a bad count leaves the model as it was.
         forward = options.pop("forward_prefetch", self.forward_prefetch)
         backward = options.pop("backward_prefetch", self.backward_prefetch)
-        forward = _check_prefetch("forward_prefetch", forward)
-        backward = _check_prefetch("backward_prefetch", backward)
+        forward = check_prefetch("forward_prefetch", forward)
+        backward = check_prefetch("backward_prefetch", backward)
         names = policy.select(module) if policy is not None else []
         units = [module.get_submodule(name) for name in names]
         for unit in units:  # children before parents, as fully_shard requires
             fully_shard(unit, **options)
         fully_shard(module, **options)
-        _set_prefetch(units, forward=forward, backward=backward)
+        set_prefetch(units, forward=forward, backward=backward)
         return module
 
     def wrap_unit(
