@@ -238,14 +238,18 @@ def test_a_model_without_a_tp_plan_needs_one() -> None:
     assert cut.communication.payload["all_reduce"] > 0
 
 
-def test_estimate_plans_a_tensor_parallel_degree(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_estimate_plans_a_tensor_parallel_degree(
+    capsys: pytest.CaptureFixture[str], sequence_parallel: bool
+) -> None:
     import json
 
     from fsdp_guide.cli import main
 
     model = "fsdp_guide.parallel:ParallelTransformer"
     args = ["estimate", "--model", model, "--world-size", "4", "--precision", "fp32"]
-    assert main([*args, "--tensor-parallel", "2", "--batch-size", "4", "--json"]) == 0
+    tp = ["--tensor-parallel", "2", "--batch-size", "4", "--json"]
+    assert main([*args, *tp, *(["--sequence-parallel"] if sequence_parallel else [])]) == 0
     rows = json.loads(capsys.readouterr().out)
     want = plan(
         ParallelTransformer,
@@ -254,34 +258,12 @@ def test_estimate_plans_a_tensor_parallel_degree(capsys: pytest.CaptureFixture[s
         world_size=4,
         strategy="fsdp2",
         tensor_parallel=2,
+        sequence_parallel=sequence_parallel,
         batch=_tokens,
     )
     assert rows == [want.as_dict(rank) for rank in range(4)]
-    assert rows[0]["tensor_parallel"] == 2
-
-
-def test_estimate_plans_sequence_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
-    import json
-
-    from fsdp_guide.cli import main
-
-    model = "fsdp_guide.parallel:ParallelTransformer"
-    args = ["estimate", "--model", model, "--world-size", "4", "--precision", "fp32"]
-    sp = ["--tensor-parallel", "2", "--sequence-parallel", "--batch-size", "4", "--json"]
-    assert main([*args, *sp]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    want = plan(
-        ParallelTransformer,
-        batch_size=4,
-        seq_len=16,
-        world_size=4,
-        strategy="fsdp2",
-        tensor_parallel=2,
-        sequence_parallel=True,
-        batch=_tokens,
-    )
-    assert rows == [want.as_dict(rank) for rank in range(4)]
-    assert rows[0]["sequence_parallel"] is True
+    assert (rows[0]["tensor_parallel"], rows[0]["sequence_parallel"]) == (2, sequence_parallel)
+    # Sequence parallelism cuts over the tensor-parallel ranks: without them, an error.
     assert main([*args, "--sequence-parallel"]) != 0
     assert "pass --tensor-parallel T" in capsys.readouterr().err
 
