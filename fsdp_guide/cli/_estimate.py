@@ -118,7 +118,7 @@ def add_parser(sub: Any) -> None:
         "block (default); root, the whole model one unit; min_params=N, a unit per module of "
         "at least N parameters not in a smaller unit (N such as 1e6 or 1M); "
         "package.module:Class, a unit per module of that class (several comma-separated), "
-        "e.g. transformers.models.llama.modeling_llama:LlamaDecoderLayer. The other "
+        "e.g. fsdp_guide.models:Block. The other "
         "strategies have no units",
     )
     p.add_argument(
