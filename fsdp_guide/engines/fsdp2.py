@@ -218,14 +218,19 @@ class FSDP2(TorchStateDict, UnitEngine):
     def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
         """Where ``reshard_after_forward`` and the prefetch counts put the peak of a step.
 
-        ``True``: at the start of backward, every activation, the root's parameters (kept
-        from forward), the running block gathered, the blocks gathered ahead of it (one by
-        default; ``backward_prefetch`` of them when it is more, as far as there are blocks
-        before it) and the running block's unsharded gradients. ``False``: at the end of
-        forward, every activation and every parameter gathered, plus the copy-out buffer of
-        the last all-gather (a block). An int ``k``: as ``True``, plus the ``1 / k`` share
-        each other block keeps from forward (the gathered blocks were gathered from theirs,
-        which are freed).
+        ``True``: in backward, the root's parameters (kept from forward), the running block
+        gathered, the blocks gathered ahead of it (one by default; ``backward_prefetch`` of
+        them when it is more, as far as there are blocks before it), and the larger of two
+        moments. In the last block's backward, every activation and that block's unsharded
+        gradients. As the next block's backward starts (the peak torch's profiler measures
+        on this package's models): the last block's share of the activations (an equal share
+        per block) is freed, but its gradients are held in the reduce-scatter's input and,
+        a ``1 / N`` share, in its output; the prefetched block's all-gather output is
+        allocated, and one more block-sized all-gather buffer with it (on ``gloo``, the
+        backend's own staging copy). ``False``: at the end of forward, every activation and
+        every parameter gathered, plus the copy-out buffer of the last all-gather (a block).
+        An int ``k``: as ``True``, plus the ``1 / k`` share each other block keeps from
+        forward (the gathered blocks were gathered from theirs, which are freed).
 
         ``forward_prefetch`` holds its blocks' all-gather buffers in forward, beside the
         running block and its copy-out buffer, while only the activations saved so far are
@@ -234,17 +239,19 @@ class FSDP2(TorchStateDict, UnitEngine):
 
         Examples:
             >>> sizes = StepSizes(params=1000, grads=1000, largest_unit=200,
-            ...                   largest_unit_grads=200, root_unit=200, activations=500,
+            ...                   largest_unit_grads=200, root_unit=200, activations=1000,
             ...                   blocks=4)
             >>> [FSDP2(reshard_after_forward=r).step_peak(sizes, 4).bytes for r in (True, False, 2)]
-            [1300, 1700, 1500]
+            [1800, 2200, 2000]
             >>> [FSDP2(backward_prefetch=b).step_peak(sizes, 4).bytes for b in (1, 2, 3, 9)]
-            [1300, 1500, 1700, 1700]
-            >>> few = StepSizes(params=1000, grads=1000, largest_unit=200,
-            ...                 largest_unit_grads=200, root_unit=200, activations=100, blocks=4)
+            [1800, 2000, 2200, 2200]
+            >>> from dataclasses import replace
+            >>> few = replace(sizes, activations=100)  # 25 a block, under its 200 of parameters
+            >>> FSDP2().step_peak(few, 4).bytes  # 75 + the root, 2 blocks, 2 buffers, 200 / 4
+            1125
             >>> [(p.bytes, p.phase) for p in (FSDP2(forward_prefetch=f).step_peak(few, 4)
-            ...                                for f in (0, 2))]
-            [(900, 'backward'), (1050, 'forward')]
+            ...                                for f in (0, 3))]
+            [(1125, 'backward'), (1225, 'forward')]
         """
         a, unit = sizes.activations, sizes.largest_unit
         if self.reshard_after_forward is False:
@@ -262,12 +269,24 @@ class FSDP2(TorchStateDict, UnitEngine):
             others = sizes.params - sizes.root_unit - gathered * unit
             kept = max(others, 0) // int(self.reshard_after_forward)
         words = "two gathered blocks" if gathered == 2 else f"{gathered} gathered blocks"
+        kept_words = " + the other blocks' shares kept from forward" if kept else ""
         backward = StepPeak(
             bytes=a + sizes.root_unit + kept + gathered * unit + sizes.largest_unit_grads,
             phase="backward",
-            kind=f"activations + root + {words} + a block's gradients"
-            + (" + the other blocks' shares kept from forward" if kept else ""),
+            kind=f"activations + root + {words} + a block's gradients" + kept_words,
         )
+        if sizes.blocks is not None and sizes.blocks > 1:
+            # One block later: the last block's activations freed, its gradients in the
+            # reduce-scatter's input and output, an all-gather buffer beside the gathered.
+            grads = sizes.largest_unit_grads
+            later = a - a // sizes.blocks + unit + grads + grads // max(world_size, 1)
+            if later + sizes.root_unit + kept + gathered * unit > backward.bytes:
+                backward = StepPeak(
+                    bytes=later + sizes.root_unit + kept + gathered * unit,
+                    phase="backward",
+                    kind=f"activations but the last block's + root + {words} + an all-gather"
+                    " buffer + the last block's gradients in the reduce-scatter" + kept_words,
+                )
         forward = self._forward_prefetch_peak(sizes)
         return forward if forward is not None and forward.bytes > backward.bytes else backward
 

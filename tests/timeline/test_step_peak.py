@@ -67,7 +67,7 @@ def test_fsdp2_explicit_prefetch_moves_the_peak_as_measured(
     peaks = {str(run): peak for run, (peak, _) in zip(RUNS, measured, strict=True)}
     default = peaks["('fsdp2', {})"]
     # Two blocks gathered ahead of the running one in backward: one block more than FSDP2's
-    # own prefetch, at the start of backward where every activation is still held.
+    # own prefetch, early in backward.
     added = peaks["('fsdp2', {'backward_prefetch': 2})"] - default
     planned_added = (
         _planned("fsdp2", {"backward_prefetch": 2}).step_peak - _planned("fsdp2", {}).step_peak
@@ -78,7 +78,7 @@ def test_fsdp2_explicit_prefetch_moves_the_peak_as_measured(
     )
     # Two blocks gathered ahead in forward leave the peak where it was: they are held while
     # the later blocks' activations (more bytes than a block's parameters at this batch)
-    # are not saved yet, so the start of backward still holds more.
+    # are not saved yet, so backward still holds more.
     forward = peaks["('fsdp2', {'forward_prefetch': 2})"]
     assert abs(forward - default) < planned_added / 2, (forward, default)
     assert _planned("fsdp2", {"forward_prefetch": 2}).step_peak == _planned("fsdp2", {}).step_peak
@@ -111,23 +111,34 @@ def test_what_each_engine_holds_at_the_peak(engine: Any, expected: int) -> None:
     assert engine.step_peak(SIZES, 2).bytes == expected
 
 
+# What the later moment of backward adds to the gathered blocks: the activations but the
+# last block's (of 4), an all-gather buffer, the last block's gradients in the
+# reduce-scatter's input and half of them (2 ranks) in its output.
+LATER = 200 + 200 + 200 // 2
+
+
 @pytest.mark.parametrize(
     ("engine", "activations", "expected"),
     [
-        # Backward: the running block and, nearest first, as many before it as asked (at
-        # least FSDP2's own one, at most the 3 blocks there are before the last).
-        (FSDP2(backward_prefetch=1), 50, (50 + 100 + 400 + 200, "backward")),
-        (FSDP2(backward_prefetch=2), 50, (50 + 100 + 600 + 200, "backward")),
-        (FSDP2(backward_prefetch=9), 50, (50 + 100 + 800 + 200, "backward")),
+        # A block's activations (50 / 4) under its parameters: the peak is the later moment,
+        # with the running block and, nearest first, as many before it as asked (at least
+        # FSDP2's own one, at most the 3 blocks there are before the last).
+        (FSDP2(backward_prefetch=1), 50, (50 - 12 + 100 + 400 + LATER, "backward")),
+        (FSDP2(backward_prefetch=2), 50, (50 - 12 + 100 + 600 + LATER, "backward")),
+        (FSDP2(backward_prefetch=9), 50, (50 - 12 + 100 + 800 + LATER, "backward")),
         (
             FSDP2(reshard_after_forward=2, backward_prefetch=2),
             50,
-            (50 + 100 + (1000 - 100 - 600) // 2 + 600 + 200, "backward"),
+            (50 - 12 + 100 + (1000 - 100 - 600) // 2 + 600 + LATER, "backward"),
         ),
-        # Forward, at block 1 of 4: blocks 0-1's activations, the root, block 1 and its
-        # buffer, blocks 2-3's buffers; above backward's 1300 only when activations are few.
-        (FSDP2(forward_prefetch=2), 50, (25 + 100 + 800, "forward")),
-        (FSDP2(forward_prefetch=2), 800, (800 + 100 + 400 + 200, "backward")),
+        # A block's activations (2000 / 4) over its parameters and buffers: the last
+        # block's backward, with every activation and one block's gradients.
+        (FSDP2(), 2000, (2000 + 100 + 400 + 200, "backward")),
+        (FSDP2(backward_prefetch=2), 2000, (2000 + 100 + 600 + 200, "backward")),
+        # Forward, at block 0 of 4: its activations, the root, block 0 and its buffer,
+        # blocks 1-3's buffers; above backward only when activations are few.
+        (FSDP2(forward_prefetch=3), 50, (12 + 100 + 1000, "forward")),
+        (FSDP2(forward_prefetch=2), 2000, (2000 + 100 + 400 + 200, "backward")),
         (FSDP2(forward_prefetch=2, reshard_after_forward=False), 50, (50 + 1000 + 200, "forward")),
     ],
     ids=str,

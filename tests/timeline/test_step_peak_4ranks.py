@@ -23,11 +23,6 @@ RUNS: list[Run] = [
     ("ddp", {}),
     ("ddp", {"gradient_as_bucket_view": False}),  # peaks in the optimizer step
 ]
-# Measured on torch 2.13 CPU, and not yet planned within 5% (strict: a fix shows up here).
-UNDER_PLANNED = {
-    0: "FSDP2: 7,983,452 B measured in backward, 7,486,168 planned (+6.6%)",
-    2: "FSDP2 int 2: 8,776,540 B measured in backward, 8,279,256 planned (+6.0%)",
-}
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +35,7 @@ def measured() -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize(
     "index",
-    [
-        pytest.param(i, marks=pytest.mark.xfail(strict=True, reason=UNDER_PLANNED[i]))
-        if i in UNDER_PLANNED
-        else i
-        for i in range(len(RUNS))
-    ],
+    range(len(RUNS)),
     ids=[f"{s}{o}" for s, o in RUNS],
 )
 def test_the_planned_peak_of_a_step_is_the_measured_one_at_4_ranks(
