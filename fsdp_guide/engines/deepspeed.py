@@ -98,6 +98,7 @@ class DeepSpeedZero(Engine):
     name = "deepspeed"
     title = "DeepSpeed"
     mixed_precision = "params"
+    fp32_state_when_mixed = False
     sharded_layout = "deepspeed"  # DeepSpeed's own files, by engine.save_checkpoint
     saves_full = False
     stage: int

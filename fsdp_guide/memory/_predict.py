@@ -120,11 +120,12 @@ def state_per_rank(
             model's units (:func:`fsdp_guide.engines.model_shape`): FSDP1 pads a flat
             parameter per unit.
         world_size: Ranks.
-        precision: ``"fp32"`` or ``"mixed"``: bytes per element of each kind of state
-            (:func:`~fsdp_guide.memory.bytes_per_param`). ``"mixed"`` with Adam is known
-            for an engine with a mixed-precision layout
-            (:meth:`fsdp_guide.engines.Engine.mixed_layout`: DeepSpeed, whose master copy
-            is counted apart); elsewhere it applies ZeRO's byte counts to the same layout.
+        precision: ``"fp32"`` or ``"mixed"``. torch's and FairScale's mixed precision
+            compute on bf16 copies and keep the state in fp32: ``"mixed"`` is the fp32
+            state there. DeepSpeed keeps bf16 parameters and gradients, and an fp32 master
+            copy counted apart (:meth:`fsdp_guide.engines.Engine.mixed_layout`, with
+            Adam); with another optimizer it gets ZeRO's byte counts
+            (:func:`~fsdp_guide.memory.bytes_per_param`).
         optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
 
     Returns:
@@ -142,12 +143,21 @@ def state_per_rank(
         >>> [s.optimizer for s in state_per_rank("fsdp2", [(10,), (7,)], 2)[0]]
         [80, 72]
 
+        torch's mixed precision (FSDP2's ``MixedPrecisionPolicy`` here) keeps the fp32 state:
+
+        >>> fp32, _ = state_per_rank("fsdp2", [(10,), (7,)], 2)
+        >>> state_per_rank("fsdp2", [(10,), (7,)], 2, "mixed")[0] == fp32
+        True
+
         DeepSpeed ZeRO-2 in bf16: 2-byte parameters, the master copy apart from Adam's moments:
 
         >>> state_per_rank("deepspeed_zero2", [(10,), (7,)], 2, "mixed")[0][0]
         ModelState(params=40, master=40, grads=0, optimizer=84, total=164)
     """
     engine = _engine(strategy)
+    if precision == "mixed" and engine.fp32_state_when_mixed:
+        # bf16 compute on copies of fp32 state: the state is the fp32 one.
+        return state_per_rank(engine, shapes, world_size, "fp32", optimizer)
     per = bytes_per_param(precision, optimizer)
     step = _STEP_BYTES[optimizer]
     fp32_adam = (precision, optimizer) == ("fp32", "adam")

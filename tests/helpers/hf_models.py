@@ -9,6 +9,7 @@ padding mask (the last two positions of every sample padded) built inside the wr
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -190,13 +191,12 @@ def measure_and_plan_many(
     return [measure_and_plan(rank, world_size, name, strategy) for name, strategy in cases]
 
 
-def bf16_saved(
-    rank: int, world_size: int, names: list[str], strategy: str
-) -> list[tuple[int, int]]:
-    """On a launched rank: (measured, planned) saved bytes of each model in bf16 under
-    ``strategy``, run as users run it: FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16)``
-    and FSDP1 with ``MixedPrecision(param_dtype=bf16)``, a unit per block; DDP under
-    ``torch.autocast("cpu", dtype=torch.bfloat16)``."""
+def _bf16_model(name: str, strategy: str, orig_params: bool = True) -> tuple[nn.Module, Any]:
+    """``name`` wrapped to compute in bf16 as users run it under ``strategy``, and the
+    context its forward runs in: FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16)`` and
+    FSDP1 with ``MixedPrecision(param_dtype=bf16)`` (``use_orig_params=orig_params``), a
+    unit per block; DDP (gradients as bucket views, the catalog's ``"ddp"``) under
+    ``torch.autocast("cpu", dtype=bf16)``."""
     import contextlib
 
     from torch.distributed.fsdp import (
@@ -209,47 +209,89 @@ def bf16_saved(
     from torch.nn.parallel import DistributedDataParallel
 
     from fsdp_guide.engines import block_classes, unit_names
+
+    model = builder(name)()
+    autocast: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    if strategy == "fsdp2":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for unit in unit_names(model):
+            fully_shard(model.get_submodule(unit), mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    elif strategy == "fsdp":
+        # Each unit casts its inputs: ViT reads its dtype from a weight outside that
+        # weight's unit (fp32 there) and casts the root's bf16 pixels back to fp32.
+        model = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy(set(block_classes(model))),
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=True),
+            device_id=torch.device("cpu"),
+            use_orig_params=orig_params,
+        )
+    elif strategy == "ddp":
+        model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    else:
+        raise ValueError(f"no bf16 run for {strategy!r}")
+    return model, autocast
+
+
+def _bf16_plan(name: str, strategy: str, world_size: int) -> Any:
     from fsdp_guide.memory import plan
+
+    return plan(
+        builder(name),
+        batch_size=2,
+        seq_len=SEQ,
+        world_size=world_size,
+        strategy=strategy,
+        precision="mixed",
+        batch=batch_fn(name),
+    )
+
+
+def bf16_saved(
+    rank: int, world_size: int, names: list[str], strategy: str
+) -> list[tuple[int, int]]:
+    """On a launched rank: (measured, planned) saved bytes of each model in bf16 under
+    ``strategy`` (see :func:`_bf16_model`)."""
     from fsdp_guide.models import loss_fn
     from fsdp_guide.wrap import saved_activation_bytes
 
     pairs = []
     for name in names:
-        model = builder(name)()
-        autocast: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
-        if strategy == "fsdp2":
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-            for unit in unit_names(model):
-                fully_shard(model.get_submodule(unit), mp_policy=policy)
-            fully_shard(model, mp_policy=policy)
-        elif strategy == "fsdp":
-            # Each unit casts its inputs: ViT reads its dtype from a weight outside that
-            # weight's unit (fp32 there) and casts the root's bf16 pixels back to fp32.
-            model = FullyShardedDataParallel(
-                model,
-                auto_wrap_policy=ModuleWrapPolicy(set(block_classes(model))),
-                mixed_precision=MixedPrecision(
-                    param_dtype=torch.bfloat16, cast_forward_inputs=True
-                ),
-                device_id=torch.device("cpu"),
-                use_orig_params=True,
-            )
-        elif strategy == "ddp":
-            model = DistributedDataParallel(model)
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-        else:
-            raise ValueError(f"no bf16 run for {strategy!r}")
+        model, autocast = _bf16_model(name, strategy)
         batch = batch_fn(name)(2, SEQ)
         with autocast:
             saved, _ = saved_activation_bytes(model, lambda: loss_fn(model, batch))  # noqa: B023
-        planned = plan(
-            builder(name),
-            batch_size=2,
-            seq_len=SEQ,
-            world_size=world_size,
-            strategy=strategy,
-            precision="mixed",
-            batch=batch_fn(name),
+        pairs.append((saved, _bf16_plan(name, strategy, world_size).activations))
+    return pairs
+
+
+def bf16_state(
+    rank: int, world_size: int, names: list[str], strategy: str
+) -> list[tuple[dict[str, int], dict[str, int]]]:
+    """On a launched rank: (measured, planned) model state of each model after two Adam
+    steps in bf16 under ``strategy`` (see :func:`_bf16_model`), field by field."""
+    from fsdp_guide.memory import measure_model_state
+    from fsdp_guide.models import loss_fn
+
+    fields = ("params", "grads", "optimizer", "buckets", "master")
+    pairs = []
+    for name in names:
+        # FSDP1 as the catalog's "fsdp" builds it: Adam over each unit's flat parameter.
+        model, autocast = _bf16_model(name, strategy, orig_params=False)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            with autocast:
+                loss = loss_fn(model, batch_fn(name)(2, SEQ))
+            loss.backward()
+            optimizer.step()
+        state = measure_model_state(model, optimizer)
+        planned = _bf16_plan(name, strategy, world_size).ranks[rank]
+        pairs.append(
+            (
+                {f: getattr(state, f) for f in fields},
+                {f: getattr(planned, f) for f in fields},
+            )
         )
-        pairs.append((saved, planned.activations))
     return pairs

@@ -2,9 +2,11 @@
 
 Tiny transformers models built from config classes (see ``hf_models``). The full matrix of
 models, strategies and world sizes is ``benchmarks/your_model_matrix.py``; here one launch of
-2 ranks covers each defect once: the unit policy (FSDP1/FSDP2 units on a transformers
-model), FSDP2's row padding, FSDP1's flat-parameter padding, ZeRO-3's per-tensor padding,
-DDP's buffer broadcasts, and the attention path of a mask of ones.
+2 ranks covers each model and each strategy, and each defect once: the unit policy
+(FSDP1/FSDP2 units on a transformers model), FSDP2's row padding, FSDP1's flat-parameter
+padding, ZeRO-3's per-tensor padding, DDP's buffer broadcasts, the attention path of a mask
+of ones, GPT-2's tied head and T5's encoder-decoder; one launch of 4 ranks covers the
+padding that only an uneven split over 4 shows.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ CASES = [
     ("bert", "ddp"),  # DDP broadcasts position_ids and token_type_ids before each forward
     ("resnet", "zero1"),  # ... and BatchNorm statistics, under ZeroRedundancyOptimizer too
     ("vit", "deepspeed_zero3"),  # ZeRO-3 pads each tensor
+    ("gpt2", "sharded_ddp"),  # the tied head: one parameter, one gradient, one owner
+    ("gpt2", "deepspeed_zero3"),  # ... gathered once per use under ZeRO-3
+    ("t5", "fsdp"),  # encoder and decoder blocks, keyword-only inputs
+]
+CASES_4 = [
+    ("gpt2", "fsdp2"),
+    ("bert", "fsdp"),
+    ("resnet", "deepspeed_zero3"),
 ]
 
 
@@ -46,11 +56,45 @@ def results() -> list[dict[str, dict[str, int]]]:
     return [case for rank in ranks for case in rank]
 
 
+@pytest.fixture(scope="module")
+def results_4() -> list[dict[str, dict[str, int]]]:
+    ranks = launch(
+        measure_and_plan_many,
+        4,
+        args=(CASES_4,),
+        backend="gloo",
+        start_method="fork",
+        timeout=600,
+    )
+    return [case for rank in ranks for case in rank]
+
+
+def _check_every_rank(
+    results: list[dict[str, dict[str, int]]], cases: list[tuple[str, str]], index: int
+) -> None:
+    for rank in range(len(results) // len(cases)):
+        found = results[rank * len(cases) + index]
+        measured, planned = found["measured"], found["planned"]
+        assert planned == measured, (cases[index], rank)
+
+
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{m}-{s}" for m, s in CASES])
 def test_planned_equals_measured(results: list[dict[str, dict[str, int]]], index: int) -> None:
-    for rank in (index, len(CASES) + index):  # rank 0, then rank 1
-        measured, planned = results[rank]["measured"], results[rank]["planned"]
-        assert planned == measured, CASES[index]
+    _check_every_rank(results, CASES, index)
+
+
+@pytest.mark.parametrize("index", range(len(CASES_4)), ids=[f"{m}-{s}" for m, s in CASES_4])
+def test_planned_equals_measured_at_4_ranks(
+    results_4: list[dict[str, dict[str, int]]], index: int
+) -> None:
+    _check_every_rank(results_4, CASES_4, index)
+
+
+def test_the_cases_cover_every_model_and_strategy() -> None:
+    from hf_models import MODELS
+
+    strategies = {"ddp", "zero1", "sharded_ddp", "fsdp", "fsdp2", "deepspeed_zero3"}
+    assert {m for m, _ in CASES} == set(MODELS) and {s for _, s in CASES} == strategies
 
 
 @pytest.mark.parametrize(
@@ -153,3 +197,18 @@ def test_mixed_precision_saves_what_is_planned(strategy: str) -> None:
         bf16_saved, 2, args=(["llama", "vit"], strategy), backend="gloo", start_method="fork"
     )
     assert [planned for _, planned in pairs] == [saved for saved, _ in pairs]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp", "ddp"])
+def test_mixed_precision_keeps_the_planned_state(strategy: str) -> None:
+    # torch's mixed precision computes in bf16 but keeps fp32 parameters, gradients and Adam
+    # moments (4 + 4 + 8 bytes per element, sharded or not): the same 16 bytes as ZeRO's
+    # 2 + 2 + 12, split otherwise, and the plan says so field by field.
+    from hf_models import bf16_state
+
+    ranks = launch(
+        bf16_state, 2, args=(["llama", "vit"], strategy), backend="gloo", start_method="fork"
+    )
+    for rank, pairs in enumerate(ranks):
+        for name, (measured, planned) in zip(["llama", "vit"], pairs, strict=True):
+            assert planned == measured, (name, rank)
