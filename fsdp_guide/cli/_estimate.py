@@ -149,6 +149,15 @@ def add_parser(sub: Any) -> None:
         help="with --tensor-parallel: cut the norms and the residual stream along the sequence "
         "over the tensor-parallel ranks too",
     )
+    p.add_argument(
+        "--activations",
+        type=positive_size,
+        default=None,
+        metavar="SIZE",
+        help="with --model or --hf: the bytes autograd saves per rank in one forward, measured "
+        "on a real one (fsdp_guide.wrap.saved_activation_bytes), e.g. 1.2GB, in place of the "
+        "trace; for models a trace cannot follow, such as a mixture of experts",
+    )
     p.add_argument("--precision", choices=get_args(Precision), default="mixed")
     p.add_argument("--optimizer", choices=get_args(OptimizerName), default="adam")
     p.add_argument(
@@ -249,6 +258,11 @@ def _run(args: argparse.Namespace) -> int:
         raise CommandError(
             "--wrap needs a real model (--model package.module:builder or --hf TYPE): its units "
             "are the model's modules, which --params does not have"
+        )
+    if args.model is None and args.hf is None and args.activations is not None:
+        raise CommandError(
+            "--activations replaces a real model's traced activations (--model "
+            "package.module:builder or --hf TYPE); --params plans the model state only"
         )
     if args.sequence_parallel and args.tensor_parallel == 1:
         raise CommandError(

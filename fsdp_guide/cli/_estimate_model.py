@@ -210,7 +210,8 @@ def run_model(args: argparse.Namespace) -> int:
             # parameters; in fp32 all are alike); with tensor parallelism, plan() traces the
             # model as one rank cuts it.
             traces: dict[str, int] = {}
-            for name in names if tp == 1 else []:
+            measured = getattr(args, "activations", None)  # stated: no trace
+            for name in names if tp == 1 and measured is None else []:
                 kind = _bf16_kind(name, args.precision)
                 if kind not in traces:
                     traces[kind] = traced_activation_bytes(
@@ -233,7 +234,7 @@ def run_model(args: argparse.Namespace) -> int:
                     precision=args.precision,
                     activation_checkpointing=checkpointing,
                     optimizer=args.optimizer,
-                    activations=traces.get(_bf16_kind(name, args.precision)),
+                    activations=measured or traces.get(_bf16_kind(name, args.precision)),
                     tensor_parallel=tp,
                     sequence_parallel=getattr(args, "sequence_parallel", False),
                     batch=batch.build,
@@ -244,6 +245,8 @@ def run_model(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from exc
     sizes = f"B={args.batch_size}" + (f", S={seq_len}" if batch.uses_seq_len else "")
     used = f"model: {type(model).__name__} ({label}); batch per rank ({sizes}): {batch.description}"
+    if measured is not None:
+        used += f"\nactivations: {measured:,} bytes per rank, as stated (--activations), not traced"
     if with_units:  # the same cut for each of them
         rule = args.wrap.text if args.wrap else "blocks"
         units = next(p.units for p in plans if p.units)

@@ -288,7 +288,8 @@ def _cannot_trace(model: nn.Module, exc: Exception) -> str:
             f"cannot trace {type(model).__name__}'s activations: its mixture-of-experts layers "
             f"({type(experts[0]).__name__}) send each token to experts chosen from its values, "
             "which a trace without data cannot follow; measure one forward with "
-            "saved_activation_bytes and pass its bytes as activations= to plan the rest"
+            "saved_activation_bytes and pass its bytes as activations= (on the command line, "
+            "--activations) to plan the rest"
             f" ({reason})"
         )
     return f"cannot trace the forward pass: {reason}"
