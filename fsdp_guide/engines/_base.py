@@ -87,10 +87,10 @@ class Engine(ABC):
     #: backward; ``"params"`` (FSDP's ``MixedPrecision``, FSDP2's ``MixedPrecisionPolicy``,
     #: DeepSpeed's ``bf16``): the parameters themselves are cast, the forward's inputs too.
     mixed_precision: ClassVar[str] = "autocast"
-    #: Whether bf16 mixed precision leaves the state in fp32: torch's autocast, FSDP's
-    #: ``MixedPrecision``, FSDP2's ``MixedPrecisionPolicy`` and FairScale's keep fp32
-    #: parameters, gradients and optimizer state, and compute on bf16 copies. DeepSpeed
-    #: keeps bf16 parameters and gradients beside an fp32 master copy (:meth:`mixed_layout`).
+    #: ``True`` where bf16 mixed precision keeps the state in fp32 and computes on bf16
+    #: copies, as torch's autocast, FSDP's ``MixedPrecision``, FSDP2's
+    #: ``MixedPrecisionPolicy`` and FairScale do; ``False`` for DeepSpeed, whose bf16
+    #: parameters and gradients sit beside an fp32 master copy (:meth:`mixed_layout`).
     fp32_state_when_mixed: ClassVar[bool] = True
 
     @classmethod
