@@ -284,12 +284,20 @@ def _cannot_trace(model: nn.Module, exc: Exception) -> str:
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     experts = [m for m in model.modules() if "expert" in type(m).__name__.lower()]
     if experts:
+        if "bf16" in reason.lower():  # transformers' grouped experts: a bf16-only fake kernel
+            why = (
+                "run a grouped matmul that traces on bf16 parameters only: plan FSDP, FSDP2 "
+                "or DeepSpeed with precision='mixed' (on the command line, --precision mixed)"
+            )
+        else:
+            why = (
+                "send each token to experts chosen from its values, which a trace without "
+                "data cannot follow"
+            )
         return (
             f"cannot trace {type(model).__name__}'s activations: its mixture-of-experts layers "
-            f"({type(experts[0]).__name__}) send each token to experts chosen from its values, "
-            "which a trace without data cannot follow; measure one forward with "
+            f"({type(experts[0]).__name__}) {why}; or measure one forward with "
             "saved_activation_bytes and pass its bytes as activations= (on the command line, "
-            "--activations) to plan the rest"
-            f" ({reason})"
+            f"--activations) to plan the rest ({reason})"
         )
     return f"cannot trace the forward pass: {reason}"

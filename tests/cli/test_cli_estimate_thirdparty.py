@@ -148,7 +148,7 @@ def test_a_mixture_of_experts_is_refused_in_one_line_naming_the_way_out(
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1, captured.err
     assert "mixture-of-experts layers (MixtralExperts)" in captured.err
-    assert "--activations" in captured.err
+    assert "--activations" in captured.err and "--precision mixed" in captured.err
     assert not captured.out and not [r for r in caplog.records if r.name.startswith("torch")]
 
 
