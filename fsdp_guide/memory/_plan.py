@@ -202,7 +202,10 @@ def plan(
                 )
             engine = replace(engine, **settings)
         check_world_size(world_size)
-        per = bytes_per_param(precision, optimizer)
+        # Under autocast (DDP and the optimizers over it) the bf16 copies are the forward's
+        # own: parameters, gradients and DDP's buckets stay fp32, and so do their all-reduces.
+        autocast = precision == "mixed" and engine.mixed_precision == "autocast"
+        per = bytes_per_param("fp32" if autocast else precision, optimizer)
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
     if world_size > MAX_RANKS:  # a state per rank is kept: bound what that costs
@@ -256,7 +259,7 @@ def plan(
     transient = engine.transient(
         param_bytes=per.params, grad_bytes=per.grads, num_params=local_params, largest_unit=largest
     )
-    dtype = "bf16" if precision == "mixed" else "fp32"
+    dtype = "bf16" if precision == "mixed" and not autocast else "fp32"
     communication = predict_communication(spec.name, local_params, dp, dtype, shape=shape)
     if tp > 1:
         # FSDP2's collectives over dp, tensor (and sequence) parallelism's over tp, by kind.

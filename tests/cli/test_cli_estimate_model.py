@@ -70,11 +70,13 @@ def test_gpu_memory_fits_and_recommends_a_maintained_engine(
     rows = _rows(out)
     assert rows["ddp"][-1] == "no"  # 16 bytes x 6.5B parameters do not fit 80 GB
     assert rows["fsdp"][-1] == "yes"
-    # zero1, oss, sharded_ddp and fsdp_grad_op all move 2 x 2 bytes x params per step, and
-    # ShardedDDP holds the least of them; but FairScale is no longer developed, FSDP1 is
-    # superseded, and torch's ZeroRedundancyOptimizer fits.
+    # torch's ZeroRedundancyOptimizer fits, but under autocast it moves the fp32 gradients
+    # (2 x 4 bytes x params per step); DeepSpeed's bf16 engines move 2-byte elements, and
+    # ZeRO-3, which keeps this model's blocks gathered from forward into backward, the
+    # fewest of them. FairScale is no longer developed and FSDP1 is superseded.
     assert rows["zero1"][-1] == "yes"
-    assert "recommended: zero1 (fits 80 GB with 10% margin; maintained engines first" in out
+    assert rows["zero1"][-3] == "53.72" and rows["deepspeed_zero3"][-3] == "26.86"  # GB
+    assert "recommended: deepspeed_zero3 (fits 80 GB with 10% margin; maintained engines" in out
 
 
 def gpt(**kwargs: int) -> TinyTransformer:

@@ -270,8 +270,10 @@ def bf16_saved(
 def bf16_state(
     rank: int, world_size: int, names: list[str], strategy: str
 ) -> list[tuple[dict[str, int], dict[str, int]]]:
-    """On a launched rank: (measured, planned) model state of each model after two Adam
-    steps in bf16 under ``strategy`` (see :func:`_bf16_model`), field by field."""
+    """On a launched rank: (measured, planned) model state of each model after three Adam
+    steps in bf16 under ``strategy`` (see :func:`_bf16_model`), field by field, and the bytes
+    of each collective kind in the third step (DDP regroups its buckets in the second)."""
+    from fsdp_guide.comm import count_collectives
     from fsdp_guide.memory import measure_model_state
     from fsdp_guide.models import loss_fn
 
@@ -281,17 +283,25 @@ def bf16_state(
         # FSDP1 as the catalog's "fsdp" builds it: Adam over each unit's flat parameter.
         model, autocast = _bf16_model(name, strategy, orig_params=False)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        for _ in range(2):
-            with autocast:
-                loss = loss_fn(model, batch_fn(name)(2, SEQ))
-            loss.backward()
+        for _ in range(3):
+            with count_collectives() as counted:
+                with autocast:
+                    loss = loss_fn(model, batch_fn(name)(2, SEQ))
+                loss.backward()
             optimizer.step()
         state = measure_model_state(model, optimizer)
-        planned = _bf16_plan(name, strategy, world_size).ranks[rank]
+        planned = _bf16_plan(name, strategy, world_size)
+        sent = planned.communication
         pairs.append(
             (
-                {f: getattr(state, f) for f in fields},
-                {f: getattr(planned, f) for f in fields},
+                {
+                    **{f: getattr(state, f) for f in fields},
+                    **{f"comm_{k}": v.bytes for k, v in counted.stats.kinds.items()},
+                },
+                {
+                    **{f: getattr(planned.ranks[rank], f) for f in fields},
+                    **{f"comm_{k}": n * sent.element_size for k, n in sent.payload.items()},
+                },
             )
         )
     return pairs

@@ -199,7 +199,8 @@ def test_mixed_precision_saves_what_is_planned(strategy: str) -> None:
 def test_mixed_precision_keeps_the_planned_state(strategy: str) -> None:
     # torch's mixed precision computes in bf16 but keeps fp32 parameters, gradients and Adam
     # moments (4 + 4 + 8 bytes per element, sharded or not): the same 16 bytes as ZeRO's
-    # 2 + 2 + 12, split otherwise, and the plan says so field by field.
+    # 2 + 2 + 12, split otherwise, and the plan says so field by field. FSDP gathers and
+    # reduces in bf16; DDP's all-reduce under autocast sends the fp32 gradients.
     from hf_models import bf16_state
 
     ranks = launch(
