@@ -8,7 +8,8 @@ Tiny transformers models built from config classes (GPT-2 with tied embeddings, 
 grouped-query attention and an attention mask of ones, BERT with a padding mask, T5, ViT and
 a ResNet) train three steps under each strategy on gloo ranks. Each rank measures, in the third
 step, its model state after ``optimizer.step()``, the bytes autograd saved in the forward,
-and the payload of each collective kind; ``fsdp_guide.memory.plan`` plans the same rank
+and the payload of each collective kind (under DDP, also what it sent once: at the wrap and
+when it regroups its buckets); ``fsdp_guide.memory.plan`` plans the same rank
 from a builder, without allocating the model. ``benchmarks/results/your_model_matrix.md``
 gets the planned/measured ratio of every field (``=`` where equal to the byte or element,
 ``-`` where both are 0).
@@ -46,7 +47,7 @@ def _ratio(planned: int, measured: int) -> str:
 def _cells(result: dict[str, dict[str, int]]) -> dict[str, str]:
     planned, measured = result["planned"], result["measured"]
     state = ("params", "grads", "optimizer", "buckets", "master")
-    comm = sorted({k for k in (*planned, *measured) if k.startswith("comm_")})
+    comm = sorted({k for k in (*planned, *measured) if k.startswith(("comm_", "once_"))})
     worst_state = [_ratio(planned[f], measured[f]) for f in state]
     worst_comm = [_ratio(planned.get(k, 0), measured.get(k, 0)) for k in comm]
     return {
@@ -56,7 +57,9 @@ def _cells(result: dict[str, dict[str, int]]) -> dict[str, str]:
         or "=",
         "activations": _ratio(planned["activations"], measured["activations"]),
         "comm": ", ".join(
-            f"{k[5:]} {r}" for k, r in zip(comm, worst_comm, strict=True) if r not in "=-"
+            f"{k.removeprefix('comm_')} {r}"
+            for k, r in zip(comm, worst_comm, strict=True)
+            if r not in "=-"
         )
         or "=",
     }
@@ -109,7 +112,8 @@ def main() -> None:
         f"World sizes {sizes}: {time.perf_counter() - start:.0f} s in all, on this machine.",
         "State is parameters, gradients, optimizer state, buckets and master copy (bytes); "
         "activations the bytes autograd saved in the forward; communication the payload "
-        "elements of each collective kind in the third step.",
+        "elements of each collective kind in the third step, and under DDP (ddp, zero1) what "
+        "it sent once (the wrap's broadcasts, its buckets' new layout in the second step).",
     ]
     args.out.write_text("\n".join(lines) + "\n")
 

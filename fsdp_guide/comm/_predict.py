@@ -51,6 +51,9 @@ class CommPrediction:
         group_sizes: Ranks in the group of each kind (a hybrid strategy's all-reduce spans
             the replicas, its reduce-scatter and all-gather one shard group).
         paper_elements: The ZeRO paper's figure for the strategy's stage: ``2Ψ`` or ``3Ψ``.
+        once: Payload elements per kind issued once, outside the steady step (DDP's
+            broadcasts when it wraps the model and when it regroups its buckets); known
+            when the model's shape is given, else empty.
     """
 
     strategy: str
@@ -60,6 +63,7 @@ class CommPrediction:
     payload: Mapping[str, int]
     group_sizes: Mapping[str, int] = field(default_factory=dict)
     paper_elements: int = 0
+    once: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def payload_elements(self) -> int:
@@ -160,6 +164,12 @@ def predict_communication(
     divides by ``N``). From the third step on: ZeRO-3's second step also broadcasts a
     few hundred elements once, while DeepSpeed settles its prefetch order.
 
+    What DDP (and ZeroRedundancyOptimizer and OSS over it) sends once is apart, in
+    :attr:`CommPrediction.once`, given the model's shape: when it wraps the model, an
+    all-gather of one element a rank and broadcasts of rank 0's parameter sizes and strides,
+    parameters and buffers; at the start of the second forward, the broadcast of its
+    regrouped buckets' layout.
+
     Args:
         strategy: A name from :data:`fsdp_guide.catalog.STRATEGIES`, or ``"zero0"``,
             ``"zero2"``, ``"zero3"`` for the paper's algorithm (``"zero1"`` is the catalog's
@@ -190,6 +200,10 @@ def predict_communication(
         ({'reduce_scatter': 1000, 'all_gather': 1900}, 5800, 6000)
         >>> dict(predict_communication("deepspeed_zero2", 1001, 2).payload)
         {'all_reduce': 1002, 'all_gather': 1004}
+        >>> from fsdp_guide.engines import ModelShape
+        >>> one = ModelShape(units=(((5, 3),),))  # one 5 x 3 weight, no buffer
+        >>> dict(predict_communication("ddp", 15, 2, shape=one).once)  # 15 + 2 * 2, then 3
+        {'all_gather': 2, 'broadcast': 22}
         >>> predict_communication("zero5", 1, 1)
         Traceback (most recent call last):
         ...
@@ -206,6 +220,7 @@ def predict_communication(
     size = _element_size(dtype)
     if shape is not None and shape.num_params != psi:
         raise ValueError(f"num_params={psi} but the shape has {shape.num_params} parameters")
+    once: dict[str, int] = {}
     if strategy in _PAPER:  # the paper's own algorithm, no engine
         stage, name = int(strategy[-1]), strategy
         payload, groups = _PAPER[strategy](psi, world_size, root_unit_params)
@@ -219,6 +234,8 @@ def predict_communication(
             else engine.step_collectives(shape, world_size)
         )
         payload, groups = dict(issued.payload), dict(issued.groups)
+        if shape is not None:
+            once = dict(engine.once_collectives(shape, world_size).payload)
     return CommPrediction(
         strategy=name,
         num_params=psi,
@@ -227,6 +244,7 @@ def predict_communication(
         payload=payload,
         group_sizes=groups,
         paper_elements=(3 if stage == 3 else 2) * psi,
+        once=once,
     )
 
 

@@ -246,6 +246,11 @@ class Engine(ABC):
                 gathered once per step, not twice (ignored by the other engines).
         """
 
+    def once_collectives(self, shape: ModelShape, world_size: int) -> Collectives:
+        """What one rank issues once, outside the steady step (when the model is wrapped,
+        or while the engine settles in its first steps): nothing, unless an engine says so."""
+        return Collectives(payload={})
+
     def step_collectives(self, shape: ModelShape, world_size: int) -> Collectives:
         """What one rank issues in one training step of a model of this ``shape``.
 

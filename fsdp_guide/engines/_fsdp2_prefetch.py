@@ -7,6 +7,8 @@ from typing import Any
 
 from torch import nn
 
+from fsdp_guide.engines._step import StepPeak, StepSizes
+
 
 def check_prefetch(name: str, value: object) -> int:
     """``value`` as a prefetch count, or a ``ValueError`` that says what to give instead."""
@@ -45,3 +47,29 @@ def set_prefetch(blocks: Sequence[nn.Module], *, forward: int = 0, backward: int
         if backward and index:  # the first block has none before it: FSDP2's own is the same
             # Nearest first: backward reaches block index - 1, then index - 2, ...
             block.set_modules_to_backward_prefetch(units[max(index - backward, 0) : index][::-1])
+
+
+def forward_prefetch_peak(
+    sizes: StepSizes, forward_prefetch: int, reshard_after_forward: bool | int
+) -> StepPeak | None:
+    """The most held in forward with ``forward_prefetch``: at block ``i`` of ``n``, the
+    activations of blocks ``0..i``, the root, block ``i`` and its copy-out buffer, and the
+    buffers of the blocks after it that it prefetched; ``None`` without forward prefetch."""
+    n = sizes.blocks
+    if not forward_prefetch or not n:
+        return None
+    # Resharded to a 1 / k share, the blocks done so far keep theirs until backward.
+    share = 0 if reshard_after_forward is True else int(reshard_after_forward)
+    best = (0, 0)
+    for index in range(n):
+        ahead = min(forward_prefetch, n - 1 - index)
+        held = sizes.activations * (index + 1) // n + (2 + ahead) * sizes.largest_unit
+        held += index * sizes.largest_unit // share if share else 0
+        best = max(best, (held, ahead))
+    held, ahead = best
+    return StepPeak(
+        bytes=held + sizes.root_unit,
+        phase="forward",
+        kind="activations so far + root + a block gathered + its all-gather buffer"
+        + f" + {ahead} prefetched",
+    )

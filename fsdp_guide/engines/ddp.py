@@ -28,12 +28,15 @@ from torch import nn
 
 from fsdp_guide.engines._base import Built, Engine, adam, replicated
 from fsdp_guide.engines._records import Collectives, Layout, Transient
+from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
 
 __all__ = ["DDP"]
 
 # DDP's default bucket_cap_mb: the largest gradient bucket all-reduced at once.
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
+# DDP's first bucket is smaller, so that the first all-reduce starts early in backward.
+FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -168,3 +171,46 @@ class DDP(Engine):
         self, num_params: int, world_size: int, root_unit_params: int = 0
     ) -> Collectives:
         return Collectives(payload={"all_reduce": num_params})
+
+    def once_collectives(self, shape: ModelShape, world_size: int) -> Collectives:
+        """DDP's collectives outside the steady step, elements by kind.
+
+        When the model is wrapped: an all-gather of each rank's parameter count (one element
+        a rank), then broadcasts from rank 0 of every parameter's sizes and strides (two
+        elements a dimension) and of its parameters and buffers. At the start of the second
+        forward, DDP regroups its buckets in the order the gradients arrived, and broadcasts
+        the new layout: an index a parameter tensor, the bucket count, and each bucket's
+        size (:func:`rebuilt_buckets`).
+
+        Examples:
+            >>> shape = ModelShape(units=(((4, 2), (4,), (3,)),), buffers=5)
+            >>> dict(DDP().once_collectives(shape, 2).payload)  # 15 + 5 + 2 * 4, 3 + 1 + 1
+            {'all_gather': 2, 'broadcast': 33}
+            >>> DDP().once_collectives(shape, 1).payload  # no process group to sync
+            {}
+        """
+        if world_size == 1:
+            return Collectives(payload={})
+        shapes = shape.shapes
+        wrap = shape.num_params + shape.buffers + 2 * sum(len(s) for s in shapes)
+        layout = len(shapes) + 1 + rebuilt_buckets(shapes)
+        return Collectives(payload={"all_gather": world_size, "broadcast": wrap + layout})
+
+
+def rebuilt_buckets(shapes: Sequence[Sequence[int]], element_size: int = 4) -> int:
+    """How many gradient buckets DDP makes when it regroups them: the gradients in the order
+    backward produces them (taken as the parameters' reverse order), a bucket closed once it
+    holds 1 MiB (DDP's first bucket), the next ones at 25 MiB.
+
+    Examples:
+        >>> rebuilt_buckets([(1000,)] * 3), rebuilt_buckets([(300_000,)] * 3)
+        (1, 2)
+    """
+    limits = [FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES]
+    count, held = 0, 0
+    for shape in reversed(shapes):
+        held += math.prod(shape) * element_size
+        if held >= limits[0]:
+            count, held = count + 1, 0
+            limits = limits[1:] or limits
+    return count + (1 if held else 0)

@@ -32,7 +32,11 @@ from torch import nn
 
 from fsdp_guide.engines._base import Built, adam, fully_sharded
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
-from fsdp_guide.engines._fsdp2_prefetch import check_prefetch, set_prefetch
+from fsdp_guide.engines._fsdp2_prefetch import (
+    check_prefetch,
+    forward_prefetch_peak,
+    set_prefetch,
+)
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
@@ -287,31 +291,8 @@ class FSDP2(TorchStateDict, UnitEngine):
                     kind=f"activations but the last block's + root + {words} + an all-gather"
                     " buffer + the last block's gradients in the reduce-scatter" + kept_words,
                 )
-        forward = self._forward_prefetch_peak(sizes)
+        forward = forward_prefetch_peak(sizes, self.forward_prefetch, self.reshard_after_forward)
         return forward if forward is not None and forward.bytes > backward.bytes else backward
-
-    def _forward_prefetch_peak(self, sizes: StepSizes) -> StepPeak | None:
-        """The most held in forward with ``forward_prefetch``: at block ``i`` of ``n``, the
-        activations of blocks ``0..i``, the root, block ``i`` and its copy-out buffer, and the
-        buffers of the blocks after it that it prefetched."""
-        n = sizes.blocks
-        if not self.forward_prefetch or not n:
-            return None
-        # Resharded to a 1 / k share, the blocks done so far keep theirs until backward.
-        share = 0 if self.reshard_after_forward is True else int(self.reshard_after_forward)
-        best = (0, 0)
-        for index in range(n):
-            ahead = min(self.forward_prefetch, n - 1 - index)
-            held = sizes.activations * (index + 1) // n + (2 + ahead) * sizes.largest_unit
-            held += index * sizes.largest_unit // share if share else 0
-            best = max(best, (held, ahead))
-        held, ahead = best
-        return StepPeak(
-            bytes=held + sizes.root_unit,
-            phase="forward",
-            kind="activations so far + root + a block gathered + its all-gather buffer"
-            + f" + {ahead} prefetched",
-        )
 
     def collectives(
         self, num_params: int, world_size: int, root_unit_params: int = 0

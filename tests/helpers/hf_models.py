@@ -134,12 +134,13 @@ def measure_and_plan(
     broadcast each, once): the model state after ``optimizer.step()``
     (:func:`fsdp_guide.memory.measure_model_state`), the bytes saved by the forward
     (:func:`fsdp_guide.wrap.saved_activation_bytes`) and the payload per collective kind
-    (:func:`fsdp_guide.comm.count_collectives`).
+    (:func:`fsdp_guide.comm.count_collectives`); under DDP (``ddp``, ``zero1``, ``oss``) also
+    what it sent once: all the wrap and the steps sent, less the steady steps'.
     """
     import warnings
 
     from fsdp_guide.comm import count_collectives
-    from fsdp_guide.engines import engine_for, wrap_for_strategy
+    from fsdp_guide.engines import DDP, engine_for, wrap_for_strategy
     from fsdp_guide.memory import measure_model_state, plan
     from fsdp_guide.models import loss_fn
     from fsdp_guide.wrap import saved_activation_bytes
@@ -147,9 +148,17 @@ def measure_and_plan(
     engine = engine_for(strategy)
     model = builder(name)()
     make = batch_fn(name)
+    sent: dict[str, int] = {}  # every step's elements by kind, and the wrap's
+
+    def add(stats: Any) -> None:
+        for kind, count in stats.kinds.items():
+            sent[kind] = sent.get(kind, 0) + count.elements
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        module, optimizer = wrap_for_strategy(model, strategy, world_size)
+        with count_collectives() as wrapping:
+            module, optimizer = wrap_for_strategy(model, strategy, world_size)
+        add(wrapping.stats)
         for step in range(steps):
             batch = make(batch_size, SEQ)
             with count_collectives() as counted:
@@ -157,6 +166,7 @@ def measure_and_plan(
                     module, lambda batch=batch: loss_fn(module, batch)
                 )
                 engine.train_step(module, optimizer, loss)
+            add(counted.stats)
             if step == steps - 1:
                 state = measure_model_state(module, optimizer)
             engine.zero_grad(module, optimizer)
@@ -170,16 +180,23 @@ def measure_and_plan(
         )
     mine = planned.ranks[rank]
     fields = ("params", "grads", "optimizer", "buckets", "master")
+    steady = {k: v.elements for k, v in counted.stats.kinds.items()}
+    measured_once: dict[str, int] = {}
+    if isinstance(engine, DDP):  # what DDP sends once: all it sent, less the steady steps
+        once = {k: n - steps * steady.get(k, 0) for k, n in sent.items()}
+        measured_once = {f"once_{k}": n for k, n in once.items() if n}
     return {
         "measured": {
             **{f: getattr(state, f) for f in fields},
             "activations": saved,
-            **{f"comm_{k}": v.elements for k, v in counted.stats.kinds.items()},
+            **{f"comm_{k}": v for k, v in steady.items()},
+            **measured_once,
         },
         "planned": {
             **{f: getattr(mine, f) for f in fields},
             "activations": planned.activations,
             **{f"comm_{k}": v for k, v in planned.communication.payload.items()},
+            **{f"once_{k}": v for k, v in planned.communication.once.items()},
         },
     }
 

@@ -30,7 +30,8 @@ CASES = [
     ("vit", "fsdp2"),  # FSDP2 pads rows: 3 classes over 2 ranks
     ("resnet", "fsdp"),  # FSDP1 pads each unit's flat parameter
     ("bert", "ddp"),  # DDP broadcasts position_ids and token_type_ids before each forward
-    ("resnet", "zero1"),  # ... and BatchNorm statistics, under ZeroRedundancyOptimizer too
+    ("resnet", "zero1"),  # ... and BatchNorm statistics, under ZeroRedundancyOptimizer too;
+    # under both, what DDP sends once (the wrap's broadcasts, the buckets' new layout)
     ("vit", "deepspeed_zero3"),  # ZeRO-3 pads each tensor
     ("gpt2", "sharded_ddp"),  # the tied head: one parameter, one gradient, one owner
     ("gpt2", "deepspeed_zero3"),  # ... gathered once per use under ZeRO-3
@@ -40,6 +41,7 @@ CASES_4 = [
     ("gpt2", "fsdp2"),
     ("bert", "fsdp"),
     ("resnet", "deepspeed_zero3"),
+    ("t5", "ddp"),  # what DDP sends once, at the wrap and at its buckets' regrouping
 ]
 
 
