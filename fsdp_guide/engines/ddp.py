@@ -180,7 +180,7 @@ class DDP(Engine):
         elements a dimension) and of its parameters and buffers. At the start of the second
         forward, DDP regroups its buckets in the order the gradients arrived, and broadcasts
         the new layout: an index a parameter tensor, the bucket count, and each bucket's
-        size (:func:`rebuilt_buckets`).
+        size (the first bucket closed at 1 MiB, the next ones at 25 MiB).
 
         Examples:
             >>> shape = ModelShape(units=(((4, 2), (4,), (3,)),), buffers=5)

@@ -148,19 +148,25 @@ def test_a_mask_of_ones_is_traced_as_the_real_forward_takes_it() -> None:
     assert isinstance(real, int) and torch.is_tensor(x)
 
 
+def _tiny_mixtral() -> nn.Module:
+    """A one-layer Mixtral of 4 experts, 2 per token (transformers' grouped experts)."""
+    config = transformers.MixtralConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
 def test_a_mixture_of_experts_is_refused_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
     def mixtral() -> nn.Module:
-        cfg = transformers.MixtralConfig(
-            vocab_size=96,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_hidden_layers=1,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-        )
-        return Logits(transformers.MixtralForCausalLM(cfg), "tokens")
+        return Logits(_tiny_mixtral(), "tokens")
 
     kwargs = {"batch_size": 2, "seq_len": 16, "world_size": 2, "strategy": "fsdp2"}
     with pytest.raises(PlanError, match="mixture-of-experts layers .MixtralExperts.") as caught:
@@ -219,18 +225,7 @@ def test_a_mixture_of_experts_in_bf16_saves_what_is_planned(batch_size: int, seq
     # the saved shapes do not depend on the routing, so a trace without data plans them.
     from fsdp_guide.inputs import example_batch
 
-    config = transformers.MixtralConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=1,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-    model = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
+    model = _tiny_mixtral().to(torch.bfloat16)
     batch = example_batch(model)
     planned = traced_activation_bytes(
         model, batch_size, seq_len, precision="mixed", mixed="params", batch=batch.build
