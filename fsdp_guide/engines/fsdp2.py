@@ -274,19 +274,20 @@ class FSDP2(TorchStateDict, UnitEngine):
             kept = max(others, 0) // int(self.reshard_after_forward)
         words = "two gathered blocks" if gathered == 2 else f"{gathered} gathered blocks"
         kept_words = " + the other blocks' shares kept from forward" if kept else ""
+        held = sizes.root_unit + kept + gathered * unit  # at either moment
+        grads = sizes.largest_unit_grads
         backward = StepPeak(
-            bytes=a + sizes.root_unit + kept + gathered * unit + sizes.largest_unit_grads,
+            bytes=a + held + grads,
             phase="backward",
             kind=f"activations + root + {words} + a block's gradients" + kept_words,
         )
         if sizes.blocks is not None and sizes.blocks > 1:
             # One block later: the last block's activations freed, its gradients in the
             # reduce-scatter's input and output, an all-gather buffer beside the gathered.
-            grads = sizes.largest_unit_grads
-            later = a - a // sizes.blocks + unit + grads + grads // max(world_size, 1)
-            if later + sizes.root_unit + kept + gathered * unit > backward.bytes:
+            later = a - a // sizes.blocks + held + unit + grads + grads // max(world_size, 1)
+            if later > backward.bytes:
                 backward = StepPeak(
-                    bytes=later + sizes.root_unit + kept + gathered * unit,
+                    bytes=later,
                     phase="backward",
                     kind=f"activations but the last block's + root + {words} + an all-gather"
                     " buffer + the last block's gradients in the reduce-scatter" + kept_words,
