@@ -1,0 +1,99 @@
+"""The model one rank computes, after each model-parallel dimension has cut it (private).
+
+A plan starts from the whole model (:class:`RankModel` of :func:`whole`) and lets each
+dimension of the mesh cut it in turn (:data:`CUTS`): tensor parallelism replaces the layers
+of its plan by a rank's shards and adds its collectives; a pipeline would keep a rank's
+stages, context parallelism a rank's share of the sequence. Whatever is left is sharded (or
+replicated) by the strategy's engine over the data-parallel ranks.
+
+Adding a dimension is a field of :class:`~fsdp_guide.memory._request.PlanRequest` and a
+function here, ``(request, rank) -> rank``, appended to :data:`CUTS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+from torch import nn
+
+from fsdp_guide.memory._request import PlanRequest
+from fsdp_guide.memory._tp import (
+    cut_layers,
+    local_model,
+    sequence_parallel_model,
+    sp_elements,
+    tp_all_reduce_elements,
+    tp_plan_of,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankModel:
+    """What one rank computes, and what cutting it sends.
+
+    Attributes:
+        model: The rank's model, on the meta device (the whole model when nothing cuts it).
+        payload: Elements per collective kind that the cuts add to each step, beyond the
+            engine's own.
+        groups: Ranks in the group of each of those kinds.
+    """
+
+    model: nn.Module
+    payload: Mapping[str, int] = field(default_factory=dict)
+    groups: Mapping[str, int] = field(default_factory=dict)
+
+    def adding(self, payload: Mapping[str, int], group: int) -> RankModel:
+        """This rank with ``payload`` more, each kind over ``group`` ranks."""
+        merged = dict(self.payload)
+        for kind, elements in payload.items():
+            merged[kind] = merged.get(kind, 0) + elements
+        return replace(
+            self, payload=merged, groups={**self.groups, **dict.fromkeys(payload, group)}
+        )
+
+
+def whole(request: PlanRequest) -> RankModel:
+    """The uncut model."""
+    return RankModel(model=request.model)
+
+
+def tensor_parallel(request: PlanRequest, rank: RankModel) -> RankModel:
+    """The layers of the tensor-parallel plan cut over ``tensor_parallel`` ranks, and their
+    all-reduces (with sequence parallelism: all-gathers and reduce-scatters)."""
+    tp = request.tensor_parallel
+    if tp == 1:
+        return rank
+    model = rank.model
+    cut = cut_layers(model, tp, tp_plan_of(model, request.tp_plan))
+    b, s = request.batch_size, request.seq_len
+    local = local_model(model, tp, cut)
+    if request.sequence_parallel:
+        payload = sp_elements(model, cut, b, s)
+        local = sequence_parallel_model(local, tp, cut)
+    else:
+        payload = {"all_reduce": tp_all_reduce_elements(model, cut, b, s)}
+    return replace(rank, model=local).adding(payload, tp)
+
+
+#: The cuts, in the order they apply.
+CUTS: tuple[Callable[[PlanRequest, RankModel], RankModel], ...] = (tensor_parallel,)
+
+
+def rank_model(request: PlanRequest) -> RankModel:
+    """The model one rank computes once every dimension has cut it.
+
+    Examples:
+        >>> from fsdp_guide.models import MLP
+        >>> from fsdp_guide.memory._request import resolve
+        >>> request = resolve(MLP(), batch_size=2, seq_len=1, world_size=2, strategy="ddp",
+        ...     precision="fp32", activation_checkpointing=None, cpu_offload=False, batch=None,
+        ...     optimizer="adam", activations=None, policy="blocks", tensor_parallel=1,
+        ...     tp_plan=None, settings=None, sequence_parallel=False)
+        >>> rank_model(request).payload
+        {}
+    """
+    rank = whole(request)
+    for cut in CUTS:
+        rank = cut(request, rank)
+    return rank
