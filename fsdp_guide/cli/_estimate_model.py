@@ -184,7 +184,6 @@ def run_model(args: argparse.Namespace) -> int:
 
     tp = getattr(args, "tensor_parallel", 1)
     names = args.strategy or (["fsdp2"] if tp > 1 else list(STRATEGIES))
-    plans: list[Plan] = []
     with_units = [name for name in names if follows_units(engine_for(name))]
     if args.wrap is not None and not with_units:
         raise CommandError(
@@ -206,26 +205,10 @@ def run_model(args: argparse.Namespace) -> int:
             checkpointing = _checkpointing(args.activation_checkpointing, model)
             batch = example_batch(model, args.input or ())
             seq_len = args.seq_len or (default_seq_len(model) if batch.uses_seq_len else 1)
-            # One trace serves every strategy that runs bf16 the same way (autocast, or cast
-            # parameters; in fp32 all are alike); with tensor parallelism, plan() traces the
-            # model as one rank cuts it.
-            traces: dict[str, int] = {}
             measured = getattr(args, "activations", None)  # stated: no trace
-            for name in names if tp == 1 and measured is None else []:
-                kind = _bf16_kind(name, args.precision)
-                if kind not in traces:
-                    traces[kind] = traced_activation_bytes(
-                        model,
-                        args.batch_size,
-                        seq_len,
-                        precision=args.precision,
-                        activation_checkpointing=checkpointing,
-                        batch=batch.build,
-                        mixed=kind,
-                    )
-        for name in names:
-            plans.append(
-                plan(
+
+            def planned(name: str) -> Plan:
+                return plan(
                     model,
                     batch_size=args.batch_size,
                     seq_len=seq_len,
@@ -234,13 +217,23 @@ def run_model(args: argparse.Namespace) -> int:
                     precision=args.precision,
                     activation_checkpointing=checkpointing,
                     optimizer=args.optimizer,
-                    activations=measured or traces.get(_bf16_kind(name, args.precision)),
+                    activations=measured,
                     tensor_parallel=tp,
                     sequence_parallel=getattr(args, "sequence_parallel", False),
                     batch=batch.build,
                     policy=policy,
                 )
-            )
+
+            # The model's forward and backward run once per way of running bf16 (autocast,
+            # or cast parameters; in fp32 all are alike), under the time limit; the other
+            # strategies reuse that trace.
+            by_name: dict[str, Plan] = {}
+            kinds: set[str] = set()
+            for name in names:
+                if _bf16_kind(name, args.precision) not in kinds:
+                    kinds.add(_bf16_kind(name, args.precision))
+                    by_name[name] = planned(name)
+        plans = [by_name[name] if name in by_name else planned(name) for name in names]
     except (PlanError, MissingRequirementError) as exc:
         raise CommandError(str(exc)) from exc
     sizes = f"B={args.batch_size}" + (f", S={seq_len}" if batch.uses_seq_len else "")

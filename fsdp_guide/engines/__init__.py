@@ -50,7 +50,14 @@ from fsdp_guide.engines._registry import (
     wrap_for_strategy,
 )
 from fsdp_guide.engines._shape import ModelShape
-from fsdp_guide.engines._step import Gathered, ModuleCalls, StepPeak, StepSizes, module_calls
+from fsdp_guide.engines._step import (
+    Gathered,
+    ModuleCalls,
+    StepPeak,
+    StepSizes,
+    Stretch,
+    module_calls,
+)
 from fsdp_guide.engines._units import (
     UNIT_RULES,
     UnitEngine,
@@ -96,6 +103,7 @@ __all__ = [
     "ShardedDDP",
     "StepPeak",
     "StepSizes",
+    "Stretch",
     "TorchStateDict",
     "Transient",
     "UnitEngine",

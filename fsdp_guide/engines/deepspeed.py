@@ -40,7 +40,7 @@ from fsdp_guide.engines._deepspeed_state import (
 )
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
-from fsdp_guide.engines._step import Gathered, StepPeak, StepSizes
+from fsdp_guide.engines._step import Gathered, StepPeak, StepSizes, highest
 from fsdp_guide.engines._zero3 import DEFAULT_MAX_LIVE, DEFAULT_REUSE_DISTANCE, zero3_gathered
 
 __all__ = ["DeepSpeedZero", "deepspeed_layout"]
@@ -194,6 +194,24 @@ class DeepSpeedZero(Engine):
         """ZeRO-3 keeps its gradient partitions and reduce bucket for the whole run."""
         return self.stage == 3
 
+    def stepped_tensors(self, shape: ModelShape, world_size: int) -> list[int]:
+        """The rank's flat fp32 partition (stages 1-3), which torch's Adam steps as one tensor.
+
+        Examples:
+            >>> DeepSpeedZero(stage=3).stepped_tensors(ModelShape(units=(((1000,), (10,)),)), 4)
+            [253]
+        """
+        if self.stage == 0:
+            return super().stepped_tensors(shape, world_size)
+        numels = [math.prod(s) for s in shape.shapes]
+        return [self.own_formula(numels, world_size).master]
+
+    @property
+    def step_gradient_fields(self) -> tuple[str, ...]:
+        """The step makes an fp32 gradient of the master partition (ZeRO-1 to 3); stage 0
+        is torch's optimizer over the gradients."""
+        return ("master",) if self.stage else ("grads",)
+
     def gathered(self, sizes: StepSizes, world_size: int) -> Gathered | None:
         """ZeRO-3: the parameters left gathered when forward returns, and as backward starts.
 
@@ -234,6 +252,8 @@ class DeepSpeedZero(Engine):
         """
         if self.stage != 3 or sizes.calls is None or sizes.calls.num_params == 0:
             return None
+        if world_size == 1:  # a rank's partition is the whole parameter: nothing to gather
+            return Gathered(after_forward=0, peak=0, kind="nothing gathered at one rank")
         per = sizes.params // sizes.calls.num_params  # bytes per gathered element
         after_forward, peak = zero3_gathered(
             sizes.calls,
@@ -250,10 +270,13 @@ class DeepSpeedZero(Engine):
         )
 
     def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
-        """ZeRO-3: every activation and the parameters gathered as backward starts
-        (:meth:`gathered`; every parameter where the modules are not known). ZeRO-0/1/2:
-        every activation and every gradient, an upper bound (DeepSpeed reduces and frees
-        gradients bucket by bucket while backward frees activations).
+        """ZeRO-3: forward's activations with the parameters still gathered when it ends,
+        backward's with those gathered as it starts (:meth:`gathered`; every parameter
+        where the modules are not known), and the optimizer step, which makes an fp32
+        gradient of the master partition (:attr:`StepSizes.step_grads`) and allocates the
+        optimizer's temporaries. ZeRO-0/1/2: every activation and every gradient, an upper
+        bound (DeepSpeed reduces and frees gradients bucket by bucket while backward frees
+        activations), or the optimizer step.
 
         Examples:
             >>> sizes = StepSizes(params=1000, grads=1000, largest_unit=200,
@@ -261,14 +284,24 @@ class DeepSpeedZero(Engine):
             >>> DeepSpeedZero(stage=3).step_peak(sizes, 2).bytes
             1500
         """
-        if self.stage == 3:
-            gathered = self.gathered(sizes, world_size)
-            return StepPeak(
-                bytes=sizes.activations + (sizes.params if gathered is None else gathered.peak),
-                phase="backward",
-                kind="activations + parameters gathered for reuse and prefetched",
-            )
-        return super().step_peak(sizes, world_size)
+        if self.stage != 3:
+            return super().step_peak(sizes, world_size)
+        gathered = self.gathered(sizes, world_size)
+        after_forward = sizes.params if gathered is None else gathered.after_forward
+        at_backward = sizes.params if gathered is None else gathered.peak
+        forward = StepPeak(
+            bytes=sizes.forward_peak + after_forward,
+            phase="forward",
+            kind="activations + parameters kept gathered for reuse",
+        )
+        backward = StepPeak(
+            bytes=sizes.backward_activations + at_backward,
+            phase="backward",
+            kind="activations + parameters gathered for reuse and prefetched",
+        )
+        return highest(
+            forward, backward, sizes.optimizer_step(kind="the master partition's fp32 gradient")
+        )
 
     def transient(
         self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int

@@ -46,14 +46,10 @@ from fsdp_guide.errors import PlanError
 from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
 from fsdp_guide.memory._predict import state_per_rank
-from fsdp_guide.memory._request import MAX_RANKS, PlanRequest, resolve
+from fsdp_guide.memory._profile import ActivationProfile, remembered, traced_profile
+from fsdp_guide.memory._request import PlanRequest, resolve
 from fsdp_guide.memory._state import ModelState
-from fsdp_guide.memory._trace import (
-    BatchBuilder,
-    Checkpointing,
-    ModelSource,
-    traced_activation_bytes,
-)
+from fsdp_guide.memory._trace import BatchBuilder, Checkpointing, ModelSource
 from fsdp_guide.memory._zero import OptimizerName, Precision
 
 
@@ -96,6 +92,7 @@ def plan(
     tp_plan: Mapping[str, str] | None = None,
     settings: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
+    foreach: bool = True,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -139,6 +136,9 @@ def plan(
             all-reduce of each rowwise layer becomes a reduce-scatter, each cut module's input
             and the head's input are all-gathered, backward mirrors them, and the norms'
             replicated weights have their gradients all-reduced over ``tp``.
+        foreach: How the optimizer steps: ``True`` (torch's default on CUDA) every tensor at
+            once, which allocates a temporary as large as the tensors it steps; ``False``
+            (its default on CPU) one tensor at a time, two temporaries of the largest.
 
     Returns:
         A :class:`Plan`.
@@ -187,13 +187,14 @@ def plan(
         tp_plan=tp_plan,
         settings=settings,
         sequence_parallel=sequence_parallel,
+        foreach=foreach,
     )
     rank = rank_model(request)
     shape, units = _units(request, rank)
     ranks, exact = _model_state(request, shape)
-    saved = _activations(request, rank)
+    profile = _activations(request, rank)
     communication = _communication(request, rank, shape)
-    sizes = _step_sizes(request, rank, shape, saved)
+    sizes = _step_sizes(request, rank, shape, profile, ranks)
     return _assemble(request, units, ranks, exact, sizes, communication)
 
 
@@ -223,18 +224,38 @@ def _model_state(request: PlanRequest, shape: ModelShape) -> tuple[tuple[ModelSt
     return tuple(by_dp[r // tp] for r in range(request.world_size)), exact
 
 
-def _activations(request: PlanRequest, rank: RankModel) -> int:
-    """The bytes autograd saves in the rank's forward: given, or traced on fake tensors."""
+def _activations(request: PlanRequest, rank: RankModel) -> ActivationProfile | int:
+    """What the rank's activations hold over the step, traced on fake tensors (once per
+    way of running the model: every strategy that runs it alike shares the trace); or the
+    bytes saved for backward the caller gave."""
     if request.activations is not None:
         return request.activations
-    return traced_activation_bytes(
-        rank.model,
+    policy = request.policy
+    key = (
         request.batch_size,
         request.seq_len,
-        precision=request.precision,
-        activation_checkpointing=request.checkpointing,
-        batch=request.batch,
-        mixed="params" if request.engine.mixed_precision == "params" else "autocast",
+        request.precision,
+        request.mixed_kind,
+        request.checkpointing,
+        request.batch,
+        policy if isinstance(policy, str) else repr(policy),
+        request.tensor_parallel,
+        request.sequence_parallel,
+        None if request.tp_plan is None else tuple(sorted(request.tp_plan.items())),
+    )
+    return remembered(
+        request.source,
+        key,
+        lambda: traced_profile(
+            rank.model,
+            request.batch_size,
+            request.seq_len,
+            precision=request.precision,
+            activation_checkpointing=request.checkpointing,
+            batch=request.batch,
+            mixed="params" if request.mixed_kind == "params" else "autocast",
+            policy=policy,
+        ),
     )
 
 
@@ -260,20 +281,46 @@ def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> 
 
 
 def _step_sizes(
-    request: PlanRequest, rank: RankModel, shape: ModelShape, activations: int
+    request: PlanRequest,
+    rank: RankModel,
+    shape: ModelShape,
+    profile: ActivationProfile | int,
+    ranks: tuple[ModelState, ...],
 ) -> StepSizes:
-    """The sizes the engine's step peak reads, in bytes."""
+    """The sizes the engine's step peak reads, in bytes: the model's, its activations over
+    the step (gradient elements made bytes at the engine's precision), and what the
+    optimizer step reads and allocates on the fullest rank."""
     per = request.per_param
     largest, root = _unit_sizes(shape)
+    engine = request.engine
+    state = max(ranks, key=lambda s: s.total)
+    traced = profile if isinstance(profile, ActivationProfile) else None
+    stretches = tuple(
+        replace(s, grads=per.grads * s.grads, largest_grad=per.grads * s.largest_grad)
+        for s in (traced.stretches if traced else ())
+    )
+    if request.optimizer != "adam":  # SGD's momentum updates in place
+        temporaries = 0
+    elif request.foreach:  # every stepped tensor's sqrt at once: 4 of Adam's 8 bytes
+        temporaries = state.optimizer // 2
+    else:  # a tensor's sqrt and quotient, the previous one's quotient still bound, fp32
+        tensors = engine.stepped_tensors(shape, request.data_parallel)
+        temporaries = 4 * max(
+            (2 * n + (tensors[i - 1] if i else 0) for i, n in enumerate(tensors)), default=0
+        )
     return StepSizes(
         params=per.params * shape.num_params,
         grads=per.grads * shape.num_params,
         largest_unit=per.params * largest,
         largest_unit_grads=per.grads * largest,
         root_unit=per.params * root,
-        activations=activations,
+        activations=profile.saved if isinstance(profile, ActivationProfile) else profile,
         calls=module_calls(rank.model),
         blocks=len(shape.units) - 1,
+        forward=traced.forward if traced else (),
+        stretches=stretches,
+        step_grads=sum(getattr(state, name) for name in engine.step_gradient_fields),
+        optimizer_temporaries=temporaries,
     )
 
 

@@ -34,6 +34,7 @@ class PlanRequest:
     """One plan's question, checked and with every default filled in.
 
     Attributes:
+        source: The model or builder as the caller gave it.
         model: The whole model, on the meta device.
         strategy: The strategy's catalog name.
         engine: Its engine, with the strategy's settings and those the caller gave.
@@ -50,8 +51,10 @@ class PlanRequest:
         tensor_parallel: Ranks per tensor-parallel group (1: none).
         tp_plan: Layer name (or pattern) to style, or ``None`` for the model's own.
         sequence_parallel: Whether the sequence is cut over the tensor-parallel ranks too.
+        foreach: Whether the optimizer steps every tensor at once (torch's default on CUDA).
     """
 
+    source: Any
     model: nn.Module
     strategy: str
     engine: Engine
@@ -68,6 +71,7 @@ class PlanRequest:
     tensor_parallel: int
     tp_plan: Mapping[str, str] | None
     sequence_parallel: bool
+    foreach: bool
 
     @property
     def autocast(self) -> bool:
@@ -84,6 +88,11 @@ class PlanRequest:
     def comm_dtype(self) -> str:
         """What the engine's collectives carry: bf16 where the parameters are cast."""
         return "bf16" if self.precision == "mixed" and not self.autocast else "fp32"
+
+    @property
+    def mixed_kind(self) -> str:
+        """How the trace runs bf16: on cast parameters, or under autocast."""
+        return "params" if self.engine.mixed_precision == "params" else "autocast"
 
     @property
     def data_parallel(self) -> int:
@@ -134,6 +143,7 @@ def resolve(
     tp_plan: Mapping[str, str] | None,
     settings: Mapping[str, Any] | None,
     sequence_parallel: bool,
+    foreach: bool = True,
 ) -> PlanRequest:
     """``plan()``'s keywords checked, in the order a caller's mistakes are best named.
 
@@ -173,7 +183,10 @@ def resolve(
         raise PlanError(f"{type(model).__name__} has no parameters to train")
     tp = _check_tensor_parallel(engine, world_size, tensor_parallel)
     _check_sequence_parallel(sequence_parallel, tp, seq_len)
+    if not isinstance(foreach, bool):
+        raise PlanError(f"foreach must be True or False, got {foreach!r}")
     return PlanRequest(
+        source=model_or_builder,
         model=model,
         strategy=name,
         engine=engine,
@@ -190,6 +203,7 @@ def resolve(
         tensor_parallel=tp,
         tp_plan=tp_plan,
         sequence_parallel=sequence_parallel,
+        foreach=foreach,
     )
 
 

@@ -120,7 +120,8 @@ def plan_run(
     world_size: int,
     checkpointing: bool = False,
 ) -> Any:
-    """The planner's figures for the same run (``batch`` split over the ranks)."""
+    """The planner's figures for the same run (``batch`` split over the ranks), stepping one
+    tensor at a time as torch's optimizers do on CPU."""
     return plan(
         build_model("transformer"),
         batch_size=batch // world_size,
@@ -129,4 +130,5 @@ def plan_run(
         strategy=strategy,
         settings=settings,
         activation_checkpointing="blocks" if checkpointing else None,
+        foreach=False,
     )

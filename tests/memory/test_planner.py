@@ -250,7 +250,11 @@ def test_activations_given_skip_the_trace() -> None:
     traced = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="fsdp")
     given = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="fsdp",
                  activations=traced.activations)  # fmt: skip
-    assert given == traced
+    # Everything but the step's peak, which the bytes saved alone cannot follow over the
+    # step (a block's backward, the loss's gradients): planned from them as held throughout.
+    peak = ("step_peak", "step_peak_phase", "step_peak_kind")
+    assert replace(given, **{k: getattr(traced, k) for k in peak}) == traced
+    assert given.step_peak != traced.step_peak
 
 
 def test_cpu_offload_takes_the_state_off_the_device() -> None:
