@@ -88,6 +88,14 @@ class Engine(ABC):
     #: backward; ``"params"`` (FSDP's ``MixedPrecision``, FSDP2's ``MixedPrecisionPolicy``,
     #: DeepSpeed's ``bf16``): the parameters themselves are cast, the forward's inputs too.
     mixed_precision: ClassVar[str] = "autocast"
+    #: What a bf16 run's gradients are reduced in by default, where the engine casts the
+    #: parameters (:attr:`mixed_precision` ``"params"``): ``"fp32"`` as the guide's FSDP
+    #: scripts set ``reduce_dtype``; DeepSpeed's reduce in the gradients' own bf16.
+    reduce_dtype_when_mixed: ClassVar[str] = "fp32"
+    #: Whether each micro-batch of gradient accumulation issues the step's collectives
+    #: (FSDP and DeepSpeed ZeRO-2/3 reduce every micro-batch's gradients); ``False`` where
+    #: the gradients are reduced once per optimizer step (DDP under ``no_sync()``).
+    syncs_every_microbatch: ClassVar[bool] = True
     #: ``True`` where bf16 mixed precision keeps the state in fp32 and computes on bf16
     #: copies, as torch's autocast, FSDP's ``MixedPrecision``, FSDP2's
     #: ``MixedPrecisionPolicy`` and FairScale do; ``False`` for DeepSpeed, whose bf16
@@ -199,6 +207,23 @@ class Engine(ABC):
         """Whether the buckets of :meth:`layout` stay allocated between steps (DDP's, for the
         whole run); by default as the gradients do."""
         return self.grads_between_steps
+
+    def host_layout(self, layout: Layout) -> Layout:
+        """The part of a rank's :meth:`layout` kept in host memory (offloaded), in elements:
+        nothing, unless the engine offloads.
+
+        Examples:
+            >>> from fsdp_guide.engines import DDP
+            >>> DDP().host_layout(Layout(params=4, grads=4, optimizer=4, steps=1)).params
+            0
+        """
+        return Layout(params=0, grads=0, optimizer=0, steps=0)
+
+    @property
+    def steps_on_host(self) -> bool:
+        """Whether the optimizer steps in host memory (an offloaded optimizer): its step
+        then holds nothing more on the accelerator."""
+        return False
 
     @property
     def step_gradient_fields(self) -> tuple[str, ...]:

@@ -53,6 +53,7 @@ class DDP(Engine):
 
     name = "ddp"
     title = "PyTorch DDP"
+    syncs_every_microbatch = False  # no_sync() until the last micro-batch
     loads_dcp = True
     broadcasts_buffers = True
 

@@ -128,6 +128,9 @@ class FSDP2(TorchStateDict, UnitEngine):
         backward_prefetch: How many of the blocks backward reaches next each block gathers
             as its backward starts (``FSDPModule.set_modules_to_backward_prefetch``); ``0``
             leaves FSDP2's own: the next one.
+        offload: ``fully_shard``'s ``offload_policy=CPUOffloadPolicy()``: the parameter and
+            gradient shards in host memory, where the optimizer steps them; each block is
+            copied to the accelerator to be gathered.
 
     Examples:
         >>> hsdp = FSDP2(shard_group=2)
@@ -148,6 +151,7 @@ class FSDP2(TorchStateDict, UnitEngine):
     reshard_after_forward: bool | int = True
     forward_prefetch: int = 0
     backward_prefetch: int = 0
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if self.wrap not in UNIT_RULES:
@@ -188,10 +192,15 @@ class FSDP2(TorchStateDict, UnitEngine):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.mesh(device, world_size)
+        options: dict[str, Any] = {"mesh": mesh}
+        if self.offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            options["offload_policy"] = CPUOffloadPolicy()
         blocks = [model.get_submodule(name) for name in unit_names(model, self.wrap)]
         for block in blocks:  # children before parents
-            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
+        fully_shard(model, **options)
         set_prefetch(blocks, forward=self.forward_prefetch, backward=self.backward_prefetch)
         return model, adam(model.parameters(), lr)
 
@@ -210,6 +219,14 @@ class FSDP2(TorchStateDict, UnitEngine):
         ]
         # The rank's coordinate in its shard group (the mesh is row-major).
         return tuple(by_shard[rank % group] for rank in range(world_size))
+
+    def host_layout(self, layout: Layout) -> Layout:
+        """With ``offload``, the whole state: shards, their gradients and Adam's state."""
+        return layout if self.offload else super().host_layout(layout)
+
+    @property
+    def steps_on_host(self) -> bool:
+        return self.offload
 
     def transient(
         self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int
@@ -279,6 +296,8 @@ class FSDP2(TorchStateDict, UnitEngine):
             kept = max(others, 0) // int(self.reshard_after_forward)
             share = unit // int(self.reshard_after_forward)
         shard = grads if world_size == 1 else grads // world_size
+        if self.offload:  # the sharded gradients go to host memory
+            shard = 0
         head = sizes.head_grads
         forward = StepPeak(bytes=0, phase="forward", kind="")
         done = 0

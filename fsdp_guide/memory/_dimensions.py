@@ -17,13 +17,14 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from fsdp_guide.errors import PlanError
 from fsdp_guide.memory._request import PlanRequest
 from fsdp_guide.memory._tp import (
     cut_layers,
     local_model,
     sequence_parallel_model,
     sp_elements,
-    tp_all_reduce_elements,
+    tp_elements,
     tp_plan_of,
 )
 
@@ -69,10 +70,15 @@ def tensor_parallel(request: PlanRequest, rank: RankModel) -> RankModel:
     b, s = request.batch_size, request.seq_len
     local = local_model(model, tp, cut)
     if request.sequence_parallel:
+        if set(cut.values()) - {"colwise", "rowwise"}:
+            raise PlanError(
+                "sequence parallelism is planned with a tp_plan of 'colwise' and 'rowwise' "
+                f"layers only, got {sorted(set(cut.values()))}"
+            )
         payload = sp_elements(model, cut, b, s)
         local = sequence_parallel_model(local, tp, cut)
     else:
-        payload = {"all_reduce": tp_all_reduce_elements(model, cut, b, s)}
+        payload = tp_elements(model, cut, b, s)
     return replace(rank, model=local).adding(payload, tp)
 
 

@@ -45,7 +45,7 @@ from fsdp_guide.engines import (
 from fsdp_guide.errors import PlanError
 from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
-from fsdp_guide.memory._predict import state_per_rank
+from fsdp_guide.memory._predict import host_per_rank, state_per_rank
 from fsdp_guide.memory._profile import ActivationProfile, remembered, traced_profile
 from fsdp_guide.memory._request import PlanRequest, resolve
 from fsdp_guide.memory._state import ModelState
@@ -93,6 +93,9 @@ def plan(
     settings: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
     foreach: bool = True,
+    gpus_per_node: int | None = None,
+    reduce_dtype: str | None = None,
+    grad_accum: int = 1,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -107,7 +110,8 @@ def plan(
         activation_checkpointing: ``None``, ``"blocks"`` (each ``Block``) or a layer class.
         cpu_offload: Keep the model state in CPU memory (fully sharded strategies only).
         batch: Builds ``(inputs, targets)`` of a batch; known for the demo models.
-        optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
+        optimizer: ``"adam"``, ``"adamw"`` (planned as Adam: AdamW's decoupled weight
+            decay keeps no state of its own), ``"sgd"`` or ``"sgd_momentum"``.
         activations: Bytes already traced by :func:`traced_activation_bytes` for this model,
             batch, precision and checkpointing: the trace is skipped (planning one model
             for many strategies traces it once).
@@ -139,6 +143,17 @@ def plan(
         foreach: How the optimizer steps: ``True`` (torch's default on CUDA) every tensor at
             once, which allocates a temporary as large as the tensors it steps; ``False``
             (its default on CPU) one tensor at a time, two temporaries of the largest.
+        gpus_per_node: GPUs of a node. HSDP (``"fsdp2_hybrid"``, ``"fsdp_hybrid"``) then
+            shards within a node and replicates across nodes (without it, in the row's
+            groups of 2); the communication says which collectives cross nodes.
+        reduce_dtype: What the gradients are reduced in under ``precision="mixed"``:
+            ``"fp32"`` or ``"bf16"``; by default ``"fp32"`` for FSDP (the guide's scripts set
+            ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``), bf16 for DeepSpeed (its
+            gradients' dtype). Autocast's gradients are fp32 whatever is asked.
+        grad_accum: Micro-batches of ``batch_size`` per optimizer step: the gradients of
+            the first stay held through the others, and an engine that reduces every
+            micro-batch (FSDP, DeepSpeed ZeRO-2/3) sends its collectives each time (DDP and
+            ZeRO-1 under ``no_sync`` once per step).
 
     Returns:
         A :class:`Plan`.
@@ -188,14 +203,17 @@ def plan(
         settings=settings,
         sequence_parallel=sequence_parallel,
         foreach=foreach,
+        gpus_per_node=gpus_per_node,
+        reduce_dtype=reduce_dtype,
+        grad_accum=grad_accum,
     )
     rank = rank_model(request)
     shape, units = _units(request, rank)
-    ranks, exact = _model_state(request, shape)
+    ranks, hosts, exact = _model_state(request, shape)
     profile = _activations(request, rank)
     communication = _communication(request, rank, shape)
     sizes = _step_sizes(request, rank, shape, profile, ranks)
-    return _assemble(request, units, ranks, exact, sizes, communication)
+    return _assemble(request, units, ranks, hosts, exact, sizes, communication)
 
 
 def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
@@ -211,17 +229,20 @@ def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
     return shape, unit_summary(rank.model, names, request.policy)
 
 
-def _model_state(request: PlanRequest, shape: ModelShape) -> tuple[tuple[ModelState, ...], bool]:
-    """Each rank's state after the optimizer step, and whether it is the engine's to the byte.
+def _model_state(
+    request: PlanRequest, shape: ModelShape
+) -> tuple[tuple[ModelState, ...], tuple[ModelState, ...], bool]:
+    """Each rank's state after the optimizer step, the part of it in host memory, and
+    whether it is the engine's to the byte.
 
     The engine lays the state out over the data-parallel ranks; the mesh is row-major, so
     the ``tensor_parallel`` ranks of a group share their data-parallel rank's layout.
     """
-    by_dp, exact = state_per_rank(
-        request.engine, shape, request.data_parallel, request.precision, request.optimizer
-    )
-    tp = request.tensor_parallel
-    return tuple(by_dp[r // tp] for r in range(request.world_size)), exact
+    engine, dp, tp = request.engine, request.data_parallel, request.tensor_parallel
+    by_dp, exact = state_per_rank(engine, shape, dp, request.precision, request.optimizer)
+    on_host = host_per_rank(engine, shape, dp, request.precision, request.optimizer)
+    world = range(request.world_size)
+    return tuple(by_dp[r // tp] for r in world), tuple(on_host[r // tp] for r in world), exact
 
 
 def _activations(request: PlanRequest, rank: RankModel) -> ActivationProfile | int:
@@ -260,10 +281,21 @@ def _activations(request: PlanRequest, rank: RankModel) -> ActivationProfile | i
 
 
 def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> CommPrediction:
-    """The engine's collectives over the data-parallel ranks, and those the cuts add."""
+    """The engine's collectives over the data-parallel ranks and those the cuts add, per
+    optimizer step: micro-batches times one micro-batch's for an engine that reduces each."""
     predicted = predict_communication(
-        request.strategy, shape.num_params, request.data_parallel, request.comm_dtype, shape=shape
+        request.strategy,
+        shape.num_params,
+        request.data_parallel,
+        request.comm_dtype,
+        shape=shape,
+        reduce_dtype=request.reduce_dtype,
+        gpus_per_node=request.gpus_per_node,
+        engine=request.engine,
     )
+    if request.engine.syncs_every_microbatch and request.grad_accum > 1:
+        times = request.grad_accum
+        predicted = replace(predicted, payload={k: n * times for k, n in predicted.payload.items()})
     if not rank.payload:
         return predicted
     payload = dict(predicted.payload)
@@ -271,12 +303,17 @@ def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> 
         payload[kind] = payload.get(kind, 0) + elements
     # A kind the engine issues keeps its group; one only the cuts issue takes theirs.
     groups = {k: g for k, g in rank.groups.items() if k not in predicted.payload}
+    node = request.gpus_per_node
+    crossing = tuple(
+        k for k in payload if k in predicted.inter_node or (node and groups.get(k, 0) > node)
+    )
     return replace(
         predicted,
         num_params=sum(p.numel() for p in request.model.parameters()),
         world_size=request.world_size,
         payload=payload,
         group_sizes={**predicted.group_sizes, **groups},
+        inter_node=crossing,
     )
 
 
@@ -291,7 +328,10 @@ def _step_sizes(
     the step (gradient elements made bytes at the engine's precision), and what the
     optimizer step reads and allocates on the fullest rank."""
     per = request.per_param
-    largest, root = _unit_sizes(shape)
+    _, root = _unit_sizes(shape)
+    # The largest block: the root unit, kept gathered from forward to backward, apart.
+    sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
+    largest = max(sizes[1:], default=sizes[0])
     engine = request.engine
     state = max(ranks, key=lambda s: s.total)
     traced = profile if isinstance(profile, ActivationProfile) else None
@@ -319,8 +359,11 @@ def _step_sizes(
         blocks=len(shape.units) - 1,
         forward=traced.forward if traced else (),
         stretches=stretches,
-        step_grads=sum(getattr(state, name) for name in engine.step_gradient_fields),
-        optimizer_temporaries=temporaries,
+        # An optimizer stepping in host memory holds nothing more on the accelerator.
+        step_grads=0
+        if engine.steps_on_host
+        else sum(getattr(state, name) for name in engine.step_gradient_fields),
+        optimizer_temporaries=0 if engine.steps_on_host else temporaries,
     )
 
 
@@ -328,16 +371,17 @@ def _assemble(
     request: PlanRequest,
     units: str,
     ranks: tuple[ModelState, ...],
+    hosts: tuple[ModelState, ...],
     exact: bool,
     sizes: StepSizes,
     communication: CommPrediction,
 ) -> Plan:
-    """The :class:`Plan`: the fullest rank's state, what it keeps between steps, the engine's
-    transient buffer and step peak."""
+    """The :class:`Plan`: the fullest rank's state, what each rank keeps between steps on
+    the accelerator, the engine's transient buffer and step peak."""
     engine, dp = request.engine, request.data_parallel
     num_params = sum(p.numel() for p in request.model.parameters())
     local_params = sizes.params // request.per_param.params
-    largest = sizes.largest_unit // request.per_param.params
+    largest = max(sizes.largest_unit, sizes.root_unit) // request.per_param.params  # root too
     per = request.per_param
     transient = engine.transient(
         param_bytes=per.params, grad_bytes=per.grads, num_params=local_params, largest_unit=largest
@@ -346,16 +390,28 @@ def _assemble(
     if gathered is not None:  # what the engine gathers, known from the modules' order
         transient = Transient(bytes=gathered.peak, kind=gathered.kind)
     state = max(ranks, key=lambda s: s.total)  # the first of the fullest
-    between = tuple(
-        replace(
+
+    def kept(r: ModelState) -> ModelState:  # what zero_grad() leaves
+        return replace(
             r,
             grads=r.grads if engine.grads_between_steps else 0,
             buckets=r.buckets if engine.buckets_between_steps else 0,
         )
-        for r in ranks
+
+    between = tuple(kept(r) for r in ranks)
+    on_device = tuple(
+        0 if request.cpu_offload else b.total - kept(h).total
+        for b, h in zip(between, hosts, strict=True)
     )
-    kept = between[ranks.index(state)].total
     peak = engine.step_peak(sizes, dp)
+    if request.grad_accum > 1 and not engine.grads_between_steps:
+        # From the second micro-batch on, the gradients so far are held through its step.
+        held = tuple(
+            0 if request.cpu_offload else r.grads - h.grads
+            for r, h in zip(ranks, hosts, strict=True)
+        )
+        on_device = tuple(k + g for k, g in zip(on_device, held, strict=True))
+    fullest = ranks.index(state)
     return Plan(
         strategy=request.strategy,
         world_size=request.world_size,
@@ -370,11 +426,13 @@ def _assemble(
         ranks=ranks,
         exact_state=exact,
         between_steps=between,
-        step_peak=(0 if request.cpu_offload else kept) + peak.bytes,
+        step_peak=on_device[fullest] + peak.bytes,
         step_peak_phase=peak.phase,
         step_peak_kind=peak.kind,
         tensor_parallel=request.tensor_parallel,
         units=units,
         sequence_parallel=request.sequence_parallel,
         kept_params=0 if gathered is None else gathered.after_forward,
+        host_ranks=hosts,
+        rank_peaks=tuple(k + peak.bytes for k in on_device),
     )

@@ -268,6 +268,9 @@ def traced_profile(
 
     check_sizes(batch_size, seq_len)
     traced = _meta_copy(model)
+    config = getattr(traced, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False  # training keeps no key/value cache
     try:
         units = _outer_units(traced, policy)  # found before checkpointing wraps them
     except ValueError as exc:
@@ -300,8 +303,7 @@ def traced_profile(
                 storages.release()
                 backward_at = storages.ops
                 forward[0] = False
-                with autocast:
-                    loss.backward()  # type: ignore[no-untyped-call]
+                loss.backward()  # type: ignore[no-untyped-call]  # outside autocast, as trained
                 storages.release()
         except PlanError:
             raise

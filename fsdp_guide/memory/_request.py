@@ -42,7 +42,8 @@ class PlanRequest:
         seq_len: Tokens per sample.
         world_size: Ranks.
         precision: ``"fp32"`` or ``"mixed"``.
-        optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
+        optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"`` (``"adamw"`` is planned as
+            ``"adam"``: the same state and the same step).
         checkpointing: What activation checkpointing checkpoints, or ``None``.
         batch: Builds the example batch, or ``None`` for the model's own.
         activations: Bytes saved for backward given by the caller, or ``None`` to trace them.
@@ -52,6 +53,9 @@ class PlanRequest:
         tp_plan: Layer name (or pattern) to style, or ``None`` for the model's own.
         sequence_parallel: Whether the sequence is cut over the tensor-parallel ranks too.
         foreach: Whether the optimizer steps every tensor at once (torch's default on CUDA).
+        gpus_per_node: GPUs of a node (``None``: not given); HSDP shards within a node.
+        reduce_dtype: What the gradients' collectives carry: ``"fp32"`` or ``"bf16"``.
+        grad_accum: Micro-batches per optimizer step.
     """
 
     source: Any
@@ -72,6 +76,9 @@ class PlanRequest:
     tp_plan: Mapping[str, str] | None
     sequence_parallel: bool
     foreach: bool
+    gpus_per_node: int | None = None
+    reduce_dtype: str = "fp32"
+    grad_accum: int = 1
 
     @property
     def autocast(self) -> bool:
@@ -144,6 +151,9 @@ def resolve(
     settings: Mapping[str, Any] | None,
     sequence_parallel: bool,
     foreach: bool = True,
+    gpus_per_node: int | None = None,
+    reduce_dtype: str | None = None,
+    grad_accum: int = 1,
 ) -> PlanRequest:
     """``plan()``'s keywords checked, in the order a caller's mistakes are best named.
 
@@ -185,6 +195,10 @@ def resolve(
     _check_sequence_parallel(sequence_parallel, tp, seq_len)
     if not isinstance(foreach, bool):
         raise PlanError(f"foreach must be True or False, got {foreach!r}")
+    _int_at_least("grad_accum", grad_accum, 1)
+    engine = _on_nodes(engine, world_size // tp, gpus_per_node)
+    if optimizer == "adamw":  # Adam's moments and step; the weight decay keeps no state
+        optimizer = "adam"
     return PlanRequest(
         source=model_or_builder,
         model=model,
@@ -204,7 +218,43 @@ def resolve(
         tp_plan=tp_plan,
         sequence_parallel=sequence_parallel,
         foreach=foreach,
+        gpus_per_node=gpus_per_node,
+        reduce_dtype=_reduce_dtype(engine, precision, reduce_dtype),
+        grad_accum=grad_accum,
     )
+
+
+def _on_nodes(engine: Engine, data_parallel: int, gpus_per_node: int | None) -> Engine:
+    """``engine`` on nodes of ``gpus_per_node``: HSDP (an engine with a ``shard_group``)
+    shards within a node and replicates across nodes.
+
+    Raises:
+        PlanError: For a node size that is not an int >= 1, or data-parallel ranks that
+            fill no whole number of nodes under HSDP.
+    """
+    if gpus_per_node is None:
+        return engine
+    _int_at_least("gpus_per_node", gpus_per_node, 1)
+    if getattr(engine, "shard_group", None) is None:
+        return engine
+    shard = min(gpus_per_node, data_parallel)
+    if data_parallel % shard:
+        raise PlanError(
+            f"{data_parallel} data-parallel ranks are not a whole number of nodes of "
+            f"{gpus_per_node} GPUs: HSDP shards within a node; give a world size that "
+            "divides by gpus_per_node"
+        )
+    return replace(engine, **{"shard_group": shard})
+
+
+def _reduce_dtype(engine: Engine, precision: str, reduce_dtype: str | None) -> str:
+    """What the gradients' collectives carry: fp32 in fp32 and under autocast (the gradients
+    are fp32), else ``reduce_dtype`` or the engine's own."""
+    if reduce_dtype not in (None, "fp32", "bf16"):
+        raise PlanError(f"reduce_dtype must be 'fp32', 'bf16' or None, got {reduce_dtype!r}")
+    if precision != "mixed" or engine.mixed_precision == "autocast":
+        return "fp32"
+    return reduce_dtype or engine.reduce_dtype_when_mixed
 
 
 def _check_tensor_parallel(engine: Engine, world_size: int, tensor_parallel: object) -> int:
