@@ -24,6 +24,36 @@ from fsdp_guide.memory import OptimizerName, Precision
 _SHARDS = ("nothing", "optimizer state", "+ gradients", "+ parameters")
 
 
+def _strategy_lines() -> str:
+    """Every strategy of the catalog with its aliases and summary, for ``--help``."""
+    from fsdp_guide.catalog import STRATEGIES
+
+    lines = []
+    for spec in STRATEGIES.values():
+        also = f" (also {', '.join(spec.aliases)})" if spec.aliases else ""
+        lines.append(f"  {spec.name}{also}: {spec.summary}")
+    return "\n".join(lines)
+
+
+_EPILOG = f"""strategies:
+{_strategy_lines()}
+
+columns (bytes per GPU, on the rank that holds the most):
+  params, grads, optimizer, master, buckets  model state on the GPU (master: DeepSpeed's
+      fp32 copy; buckets: communication buffers kept between steps)
+  activations  what autograd saves in forward
+  transient    the largest short-lived buffer (a gathered unit, DDP's bucket)
+  total        the sum of the columns before it
+  peak         the most held at once in a step (forward, backward or the optimizer step):
+               what must fit --gpu-memory
+  host         model state kept in host memory (offload)
+  payload      per optimizer step: the tensor each collective reduces, gathers or
+               broadcasts, in its precision (gradients in --reduce-dtype)
+  wire         per optimizer step, what the rank sends in a ring: 2(g-1)/g of an
+               all-reduce's payload, (g-1)/g of the others', over a group of g ranks
+"""
+
+
 def _strategies_of_stage(stage: int) -> str:
     """Names of the catalog at a stage; variants of one mechanism (buckets, hybrid, offload) out."""
     from fsdp_guide.catalog import STRATEGIES
@@ -36,9 +66,16 @@ def add_parser(sub: Any) -> None:
     """Register the ``estimate`` command."""
     p: argparse.ArgumentParser = sub.add_parser(
         "estimate",
-        help="ZeRO estimate of model-state memory per GPU for every stage",
-        description="Bytes of parameters, gradients and optimizer state per rank that the "
-        "ZeRO formulas predict, for stages 0-3 (activations and buffers not included).",
+        help="will it fit: memory per GPU and communication of a training step, per strategy",
+        description="With --params: the model state per GPU (parameters, gradients, optimizer "
+        "state) that the ZeRO formulas give for stages 0-3, nothing else. With --model or "
+        "--hf: a real model planned for every strategy without allocating it: each rank's "
+        "state as its engine lays it out (on the GPU and, where offloaded, in host memory), "
+        "the activations traced over the whole step, the step's peak on the GPU (what must "
+        "fit --gpu-memory), and the communication per optimizer step in payload and wire "
+        "bytes.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=count, help="parameter count, e.g. 7e9, 7B, 350M")
@@ -96,7 +133,11 @@ def add_parser(sub: Any) -> None:
         help="tokens per sample; default: the longest the model takes (512 without a limit)",
     )
     p.add_argument(
-        "--strategy", type=catalog_names, default=None, help="strategies to plan; default all"
+        "--strategy",
+        type=catalog_names,
+        default=None,
+        metavar="NAMES",
+        help="comma-separated strategies to plan (names listed below); default all",
     )
     p.add_argument(
         "--activation-checkpointing",
@@ -158,13 +199,65 @@ def add_parser(sub: Any) -> None:
         "on a real one (fsdp_guide.wrap.saved_activation_bytes), e.g. 1.2GB, in place of the "
         "trace; for models a trace cannot follow, such as a mixture of experts",
     )
-    p.add_argument("--precision", choices=get_args(Precision), default="mixed")
-    p.add_argument("--optimizer", choices=get_args(OptimizerName), default="adam")
+    p.add_argument(
+        "--precision",
+        choices=get_args(Precision),
+        default="mixed",
+        help="mixed: bf16 compute with fp32 master weights (default); fp32",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=get_args(OptimizerName),
+        default="adam",
+        help="adam (default) or adamw: the same memory (AdamW's decoupled weight decay keeps "
+        "no state of its own); sgd; sgd_momentum",
+    )
     p.add_argument(
         "--gpu-memory",
         type=positive_size,
         default=None,
-        help="memory per GPU with its unit: 80GB (10^9 bytes) or 80GiB (2^30 bytes)",
+        help="memory per GPU with its unit: 80GB (10^9 bytes) or 80GiB (2^30 bytes); a "
+        "strategy fits when its step's peak on the GPU does, less --margin",
+    )
+    p.add_argument(
+        "--host-memory",
+        type=positive_size,
+        default=None,
+        metavar="SIZE",
+        help="host memory per GPU (its share of the node's RAM), e.g. 200GB: what offload "
+        "keeps there must fit it too",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int_at_least(1, MAX_WORLD_SIZE),
+        default=8,
+        metavar="G",
+        help="GPUs of a node; default 8. HSDP (fsdp2_hybrid, fsdp_hybrid) shards within a "
+        "node and replicates across nodes; the inter-node wire bytes are those of the "
+        "collectives whose group spans nodes",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=("fp32", "bf16"),
+        default=None,
+        help="with --precision mixed: what the gradients are reduced in; default fp32 for "
+        "every strategy, as examples/fsdp2_train.py sets reduce_dtype (DeepSpeed's own "
+        "default, communication_data_type, is bf16)",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int_at_least(1, MAX_TOKENS),
+        default=1,
+        metavar="K",
+        help="micro-batches of --batch-size per optimizer step; default 1. The gradients of "
+        "the first are held through the others; FSDP and DeepSpeed ZeRO-2/3 reduce every "
+        "micro-batch (payload and wire are per optimizer step), DDP and ZeRO-1 once",
+    )
+    p.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="with --gpu-memory: also find, per strategy, the largest --batch-size whose step "
+        "fits (a column 'max batch')",
     )
     p.set_defaults(func=_run)
 
@@ -259,6 +352,13 @@ def _run(args: argparse.Namespace) -> int:
             "--wrap needs a real model (--model package.module:builder or --hf TYPE): its units "
             "are the model's modules, which --params does not have"
         )
+    if args.max_batch and args.gpu_memory is None:
+        raise CommandError("--max-batch finds the largest batch that fits: give --gpu-memory")
+    if args.model is None and args.hf is None and args.max_batch:
+        raise CommandError(
+            "--max-batch plans a real model's activations (--model package.module:builder or "
+            "--hf TYPE); --params plans the model state only"
+        )
     if args.model is None and args.hf is None and args.activations is not None:
         raise CommandError(
             "--activations replaces a real model's traced activations (--model "
@@ -277,5 +377,8 @@ def _run(args: argparse.Namespace) -> int:
         args.params, args.world_size, args.precision, args.optimizer, args.gpu_memory
     )
     print(table)
-    print("Model state only: activations, communication buffers and fragmentation come on top.")
+    print(
+        "Model state only: activations, communication buffers and fragmentation come on top "
+        "(plan a real model with --model or --hf)."
+    )
     return 0

@@ -207,10 +207,10 @@ def run_model(args: argparse.Namespace) -> int:
             seq_len = args.seq_len or (default_seq_len(model) if batch.uses_seq_len else 1)
             measured = getattr(args, "activations", None)  # stated: no trace
 
-            def planned(name: str) -> Plan:
+            def planned(name: str, batch_size: int = args.batch_size) -> Plan:
                 return plan(
                     model,
-                    batch_size=args.batch_size,
+                    batch_size=batch_size,
                     seq_len=seq_len,
                     world_size=args.world_size,
                     strategy=name,
@@ -222,6 +222,9 @@ def run_model(args: argparse.Namespace) -> int:
                     sequence_parallel=getattr(args, "sequence_parallel", False),
                     batch=batch.build,
                     policy=policy,
+                    gpus_per_node=getattr(args, "gpus_per_node", None),
+                    reduce_dtype=getattr(args, "reduce_dtype", None),
+                    grad_accum=getattr(args, "grad_accum", 1),
                 )
 
             # The model's forward and backward run once per way of running bf16 (autocast,
@@ -234,6 +237,16 @@ def run_model(args: argparse.Namespace) -> int:
                     kinds.add(_bf16_kind(name, args.precision))
                     by_name[name] = planned(name)
         plans = [by_name[name] if name in by_name else planned(name) for name in names]
+        host = getattr(args, "host_memory", None)
+        largest: dict[str, int] = {}
+        if getattr(args, "max_batch", False):
+            for p in plans:
+                largest[p.strategy] = largest_batch(
+                    lambda b, n=p.strategy: planned(n, b),  # type: ignore[misc]
+                    args.gpu_memory,
+                    args.margin,
+                    host,
+                )
     except (PlanError, MissingRequirementError) as exc:
         raise CommandError(str(exc)) from exc
     sizes = f"B={args.batch_size}" + (f", S={seq_len}" if batch.uses_seq_len else "")
@@ -244,75 +257,182 @@ def run_model(args: argparse.Namespace) -> int:
         rule = args.wrap.text if args.wrap else "blocks"
         units = next(p.units for p in plans if p.units)
         used += f"\nunits: {units}, for {', '.join(with_units)} (--wrap {rule})"
+    if getattr(args, "optimizer", "adam") == "adamw":
+        used += "\noptimizer: adamw, planned as adam (the same moments; weight decay adds none)"
     if args.json:
         rows = []
         for p in plans:
             for rank in range(p.world_size):  # ranks differ: whole-tensor and padded shards
                 row: dict[str, Any] = p.as_dict(rank)
                 if args.gpu_memory is not None:
-                    row["fits"] = p.fits(args.gpu_memory, args.margin, rank=rank)
+                    row["fits"] = p.fits(args.gpu_memory, args.margin, rank=rank, host_memory=host)
+                if p.strategy in largest:
+                    row["max_batch"] = largest[p.strategy]
+                row["recipe"] = recipe_for(p.strategy) or ""
                 rows.append(row)
         print(json.dumps(rows, indent=1))
         print(used, file=sys.stderr)  # stdout stays one JSON document
         return 0
-    print(plan_table(plans, args.gpu_memory, args.margin))
+    print(plan_table(plans, args.gpu_memory, args.margin, host, largest))
     print(used)
     return 0
 
 
-def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 0.1) -> str:
+#: The fine-tuning recipe of each engine the guide has one for.
+RECIPES = {
+    "fsdp2": "examples/recipes/fsdp2_finetune.py",
+    "deepspeed": "examples/recipes/deepspeed_zero3_finetune.py",
+    "ddp": "examples/recipes/ddp_finetune.py",
+    "zero1": "examples/recipes/ddp_finetune.py",
+}
+
+
+def recipe_for(strategy: str) -> str | None:
+    """The guide's fine-tuning recipe for ``strategy``'s engine, or ``None``.
+
+    Examples:
+        >>> recipe_for("fsdp2_hybrid"), recipe_for("zero3"), recipe_for("fsdp")
+        ('examples/recipes/fsdp2_finetune.py', 'examples/recipes/deepspeed_zero3_finetune.py', None)
+    """
+    from fsdp_guide.catalog import get_strategy
+
+    return RECIPES.get(get_strategy(strategy).engine)
+
+
+def largest_batch(
+    plan_at: Callable[[int], Any], gpu_memory: int, margin: float, host_memory: int | None
+) -> int:
+    """The largest batch size whose plan fits (0 when none does).
+
+    A step's peak grows about linearly with the batch: the plans at 1 and 2 give the guess,
+    which plans around it then settle (one trace per batch size tried, shared by the
+    strategies that run the model alike).
+
+    Examples:
+        >>> from fsdp_guide.memory import plan
+        >>> from fsdp_guide.models import MLP
+        >>> mlp = MLP()
+        >>> at = lambda b: plan(mlp, batch_size=b, seq_len=1, world_size=2, strategy="ddp")
+        >>> budget = at(40).step_peak  # its optimizer step's: more samples still fit
+        >>> best = largest_batch(at, budget, 0.0, None)
+        >>> best >= 40, at(best).fits(budget, 0.0), at(best + 1).fits(budget, 0.0)
+        (True, True, False)
+    """
+    seen: dict[int, Any] = {}
+
+    def fits(batch: int) -> bool:
+        if batch not in seen:
+            seen[batch] = plan_at(batch)
+        return bool(seen[batch].fits(gpu_memory, margin, host_memory=host_memory))
+
+    if not fits(1):
+        return 0
+    if not fits(2):
+        return 1
+    one, two = seen[1].step_peak, seen[2].step_peak
+    room = gpu_memory * (1 - margin)
+    # lo fits, hi does not (or is past the search); the linear guess is the first probe.
+    lo, hi = 2, MAX_BATCH + 1
+    if two > one:
+        guess = min(max(2 + int((room - two) // (two - one)), 2), MAX_BATCH)
+        if fits(guess):
+            lo = guess
+        else:
+            hi = guess
+    step = 1
+    while hi == MAX_BATCH + 1 and lo < MAX_BATCH:  # gallop up to a batch that does not fit
+        probe = min(lo + step, MAX_BATCH)
+        if fits(probe):
+            lo = probe
+            step *= 2
+        else:
+            hi = probe
+    while hi - lo > 1:  # then halve the gap
+        middle = (lo + hi) // 2
+        if fits(middle):
+            lo = middle
+        else:
+            hi = middle
+    return lo
+
+
+#: The largest batch :func:`largest_batch` tries.
+MAX_BATCH = 2**16
+
+
+def plan_table(
+    plans: list[Any],
+    gpu_memory: int | None = None,
+    margin: float = 0.1,
+    host_memory: int | None = None,
+    largest: dict[str, int] | None = None,
+) -> str:
     """One line per strategy, its fullest rank, and the recommendation when a GPU size is given.
 
-    The recommendation (:func:`~fsdp_guide.memory.recommend`) is the strategy that fits
-    (within ``gpu_memory`` less the margin) on the best-maintained engine (FSDP2 before FSDP1,
-    both before FairScale), with the least communication per step, then the least memory.
+    The columns up to ``total`` are what the rank holds on the GPU and add up to it; ``peak``
+    is the most the step holds at once there, what must fit; ``host`` what offload keeps in
+    host memory; ``payload`` and ``wire`` the communication per optimizer step. The
+    recommendation (:func:`~fsdp_guide.memory.recommend`) is the strategy whose peak fits
+    (within ``gpu_memory`` less the margin) on the best-maintained engine (FSDP2 before
+    FSDP1, both before FairScale), with the fewest bytes on the wire, then the least memory,
+    and the guide's recipe for it.
 
     Examples:
         >>> from fsdp_guide.memory import plan
         >>> from fsdp_guide.models import MLP
         >>> plans = [plan(MLP(), batch_size=8, seq_len=1, world_size=2, strategy=s)
         ...          for s in ("ddp", "fsdp", "fsdp2")]
-        >>> print(plan_table(plans, gpu_memory=2_600_000))
-        142,088 parameters on 2 ranks, fp32 precision; bytes on the fullest rank
-        strategy  params   grads    optimizer  activations  transient  total    comm/step  fits
-        ddp       0.57 MB  0.57 MB  1.14 MB    26.11 KB     0.57 MB    2.87 MB  0.57 MB    no
-        fsdp      0.28 MB  0.28 MB  0.57 MB    26.11 KB     1.14 MB    2.30 MB  1.14 MB    yes
-        fsdp2     0.28 MB  0.28 MB  0.57 MB    26.11 KB     1.14 MB    2.30 MB  1.14 MB    yes
-        recommended: fsdp2 (fits 2.60 MB with 10% margin; maintained engines first,
-        then the least communication)
+        >>> print(plan_table(plans, gpu_memory=2_600_000))  # doctest: +NORMALIZE_WHITESPACE
+        142,088 parameters on 2 ranks, fp32 precision; bytes per GPU on the fullest rank
+        strategy  params   grads    optimizer  master   buckets  activations  transient ...
+        ddp       0.57 MB  0.57 MB  1.14 MB    0.00 MB  0.00 MB  26.11 KB     0.57 MB ...
+        fsdp      0.28 MB  0.28 MB  0.57 MB    0.00 MB  0.00 MB  26.11 KB     1.14 MB ...
+        fsdp2     0.28 MB  0.28 MB  0.57 MB    0.00 MB  0.00 MB  26.11 KB     1.14 MB ...
+        recommended: fsdp2 (its step's peak fits 2.60 MB with 10% margin; maintained
+        engines first, then the fewest bytes on the wire)
+        recipe: examples/recipes/fsdp2_finetune.py
     """
     from fsdp_guide.cli._estimate import readable
     from fsdp_guide.compare import text_table
     from fsdp_guide.memory import format_bytes, recommend
 
-    largest = max(p.total for p in plans)
-    unit = "GB" if largest >= 1e8 else "MB" if largest >= 1e5 else "KB"
-    header = ["strategy", "params", "grads", "optimizer", "activations", "transient", "total"]
-    header.append("comm/step")
+    biggest = max(max(p.step_peak, p.total, p.host().total) for p in plans)
+    unit = "GB" if biggest >= 1e8 else "MB" if biggest >= 1e5 else "KB"
+    header = ["strategy", "params", "grads", "optimizer", "master", "buckets"]
+    header += ["activations", "transient", "total", "peak", "host", "payload", "wire"]
     if gpu_memory is not None:
         header.append("fits")
+    if largest:
+        header.append("max batch")
     rows = [header]
     for p in plans:
-        state = (0, 0, 0) if p.cpu_offload else (p.state.params, p.state.grads, p.state.optimizer)
-        values = (*state, p.activations, p.transient, p.total, p.communication.payload_bytes)
+        device = p.device()
+        values = [device.params, device.grads, device.optimizer, device.master, device.buckets]
+        values += [p.activations, p.transient, p.total, p.step_peak, p.host().total]
+        values += [p.communication.payload_bytes, p.communication.wire_bytes()]
         cells = [p.strategy, *(readable(v, unit) for v in values)]
         if gpu_memory is not None:
-            cells.append("yes" if p.fits(gpu_memory, margin) else "no")
+            cells.append("yes" if p.fits(gpu_memory, margin, host_memory=host_memory) else "no")
+        if largest:
+            cells.append(str(largest.get(p.strategy, "")))
         rows.append(cells)
     first = plans[0]
     title = (
         f"{first.num_params:,} parameters on {first.world_size} ranks, {first.precision} "
-        "precision; bytes on the fullest rank"
+        "precision; bytes per GPU on the fullest rank"
     )
     out = [title, text_table(rows)]
     if gpu_memory is not None:
-        best = recommend(plans, gpu_memory, margin)
+        best = recommend(plans, gpu_memory, margin, host_memory)
         size = format_bytes(gpu_memory).replace(".00", "")
         if best is not None:
             out.append(
-                f"recommended: {best.strategy} (fits {size} with {margin:.0%} margin; "
-                "maintained engines first, then the least communication)"
+                f"recommended: {best.strategy} (its step's peak fits {size} with {margin:.0%} "
+                "margin; maintained engines first, then the fewest bytes on the wire)"
             )
+            recipe = recipe_for(best.strategy)
+            if recipe:
+                out.append(f"recipe: {recipe}")
         else:
             out.append(f"recommended: none fits {size} with {margin:.0%} margin; add GPUs")
     return "\n".join(out)

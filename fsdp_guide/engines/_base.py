@@ -88,10 +88,6 @@ class Engine(ABC):
     #: backward; ``"params"`` (FSDP's ``MixedPrecision``, FSDP2's ``MixedPrecisionPolicy``,
     #: DeepSpeed's ``bf16``): the parameters themselves are cast, the forward's inputs too.
     mixed_precision: ClassVar[str] = "autocast"
-    #: What a bf16 run's gradients are reduced in by default, where the engine casts the
-    #: parameters (:attr:`mixed_precision` ``"params"``): ``"fp32"`` as the guide's FSDP
-    #: scripts set ``reduce_dtype``; DeepSpeed's reduce in the gradients' own bf16.
-    reduce_dtype_when_mixed: ClassVar[str] = "fp32"
     #: Whether each micro-batch of gradient accumulation issues the step's collectives
     #: (FSDP and DeepSpeed ZeRO-2/3 reduce every micro-batch's gradients); ``False`` where
     #: the gradients are reduced once per optimizer step (DDP under ``no_sync()``).

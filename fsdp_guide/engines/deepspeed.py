@@ -104,7 +104,6 @@ class DeepSpeedZero(Engine):
     title = "DeepSpeed"
     mixed_precision = "params"
     fp32_state_when_mixed = False
-    reduce_dtype_when_mixed = "bf16"
     sharded_layout = "deepspeed"  # DeepSpeed's own files, by engine.save_checkpoint
     saves_full = False
     stage: int

@@ -302,13 +302,14 @@ class FSDP2(TorchStateDict, UnitEngine):
         forward = StepPeak(bytes=0, phase="forward", kind="")
         done = 0
         result = 0 if world_size == 1 else unit  # the all-gather result held to the next
+        blocks = sum(s.unit for s in sizes.forward)
         for stretch in sizes.forward:
             if not stretch.unit:
                 before = root + done * share if resharded else root + done * unit
                 held = stretch.peak + before + (result if done else 0)
             elif resharded:
-                held = stretch.peak + root + (1 + self.forward_prefetch) * unit + result
-                held += done * share
+                prefetched = min(self.forward_prefetch, blocks - 1 - done)
+                held = stretch.peak + root + (1 + prefetched) * unit + result + done * share
             else:
                 held = stretch.peak + root + (done + 1) * unit + result
             done += stretch.unit

@@ -147,9 +147,10 @@ def plan(
             shards within a node and replicates across nodes (without it, in the row's
             groups of 2); the communication says which collectives cross nodes.
         reduce_dtype: What the gradients are reduced in under ``precision="mixed"``:
-            ``"fp32"`` or ``"bf16"``; by default ``"fp32"`` for FSDP (the guide's scripts set
-            ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``), bf16 for DeepSpeed (its
-            gradients' dtype). Autocast's gradients are fp32 whatever is asked.
+            ``"fp32"`` (the default, as the guide's FSDP2 scripts set
+            ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``, for every engine alike) or
+            ``"bf16"`` (DeepSpeed's own default, its ``communication_data_type``, and FSDP's
+            when ``reduce_dtype`` is not set). Autocast's gradients are fp32 whatever is asked.
         grad_accum: Micro-batches of ``batch_size`` per optimizer step: the gradients of
             the first stay held through the others, and an engine that reduces every
             micro-batch (FSDP, DeepSpeed ZeRO-2/3) sends its collectives each time (DDP and

@@ -249,12 +249,13 @@ def _on_nodes(engine: Engine, data_parallel: int, gpus_per_node: int | None) -> 
 
 def _reduce_dtype(engine: Engine, precision: str, reduce_dtype: str | None) -> str:
     """What the gradients' collectives carry: fp32 in fp32 and under autocast (the gradients
-    are fp32), else ``reduce_dtype`` or the engine's own."""
+    are fp32), else ``reduce_dtype``, fp32 by default for every engine (as the guide's FSDP2
+    script sets it; DeepSpeed's own default is bf16, its ``communication_data_type``)."""
     if reduce_dtype not in (None, "fp32", "bf16"):
         raise PlanError(f"reduce_dtype must be 'fp32', 'bf16' or None, got {reduce_dtype!r}")
     if precision != "mixed" or engine.mixed_precision == "autocast":
         return "fp32"
-    return reduce_dtype or engine.reduce_dtype_when_mixed
+    return reduce_dtype or "fp32"
 
 
 def _check_tensor_parallel(engine: Engine, world_size: int, tensor_parallel: object) -> int:
