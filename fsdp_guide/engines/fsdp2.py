@@ -196,7 +196,8 @@ class FSDP2(TorchStateDict, UnitEngine):
         if self.offload:
             from torch.distributed.fsdp import CPUOffloadPolicy
 
-            options["offload_policy"] = CPUOffloadPolicy()
+            # Pinned host memory needs an accelerator; on a CPU run the shards are host memory.
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
         blocks = [model.get_submodule(name) for name in unit_names(model, self.wrap)]
         for block in blocks:  # children before parents
             fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
