@@ -216,7 +216,7 @@ def test_api_page_links_the_source_of_its_facts(site: Path, api_page: str, sourc
 
 # -- item 11: the FSDP timeline, readable, for lesson 04 ----------------------------------
 
-TIMELINE = REPO / "notebooks" / "figures" / "fsdp_unit_timeline.svg"
+TIMELINE = REPO / "notebooks" / "figures" / "04_unit_timeline.svg"
 
 
 def test_timeline_labels_are_readable_on_a_lesson_page() -> None:
