@@ -79,7 +79,8 @@ def _modules() -> list[str]:
 #: A lesson's own section (``docs/lessons.md``): ``## API used``, then a bullet per name,
 #: ``- `fsdp_guide.module.name`: what it did here``.
 LESSON_HEADING = re.compile(r"^## API used\b.*$", re.MULTILINE)
-API_BULLET = re.compile(r"^(?P<lead>[-*] )`(?P<dotted>fsdp_guide(?:\.\w+)*)`", re.MULTILINE)
+API_BULLET = re.compile(r"^[-*] .*$", re.MULTILINE)
+API_NAME = re.compile(r"`(?P<dotted>fsdp_guide(?:\.\w+)*)`")
 
 
 def _split_dotted(dotted: str) -> tuple[str, str]:
@@ -121,7 +122,7 @@ def _reference(module: str, name: str, shown: str = "") -> str:
 def with_api_section(notebook: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``notebook`` whose "API used" section links every name it names and imports.
 
-    A lesson that has its own ``## API used`` section keeps it, each bullet's name turned
+    A lesson that has its own ``## API used`` section keeps it, each name of its bullets turned
     into a link to its reference entry (the text after it stays), and the names it imports
     but does not list added as bullets; a name no public module has is an error. A notebook
     without that section gets one at its end, listing what it imports. Either way the page
@@ -139,13 +140,17 @@ def with_api_section(notebook: dict[str, Any]) -> dict[str, Any]:
     )
     if own is not None:
         text = _text(cells[own])
-        listed = {_split_dotted(m["dotted"]) for m in API_BULLET.finditer(text)}
+        named = [m["dotted"] for b in API_BULLET.findall(text) for m in API_NAME.finditer(b)]
+        listed = {_split_dotted(dotted) for dotted in named}
 
         def link(match: re.Match[str]) -> str:
             module, name = _split_dotted(match["dotted"])
-            return match["lead"] + _reference(module, name, match["dotted"])
+            return _reference(module, name, match["dotted"])
 
-        text = API_BULLET.sub(link, text).rstrip("\n")
+        def link_names(bullet: re.Match[str]) -> str:
+            return API_NAME.sub(link, bullet.group(0))
+
+        text = API_BULLET.sub(link_names, text).rstrip("\n")
         # What the lesson imports under another path counts as listed when it is the same object.
         listed_objects = {id(_value(m, n)) for m, n in listed}
         extra = [

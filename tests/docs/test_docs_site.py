@@ -652,7 +652,7 @@ def test_a_lessons_own_api_section_is_linked_not_doubled() -> None:
     code = "from fsdp_guide import launch\nfrom fsdp_guide.memory import plan, format_bytes"
     own = (
         "## API used\n\n- `fsdp_guide.launch`: ran the function on two ranks.\n"
-        "- `fsdp_guide.memory.plan`: planned each rank's bytes.\n"
+        "- `fsdp_guide.memory.plan`, `fsdp_guide.memory.Plan`: planned each rank's bytes.\n"
     )
     notebook = {
         "cells": [
@@ -662,7 +662,10 @@ def test_a_lessons_own_api_section_is_linked_not_doubled() -> None:
     }
     (section,) = _api_cells(_extension("fsdp_links").with_api_section(notebook))
     assert "{py:obj}`fsdp_guide.launch <fsdp_guide.launcher.launch>`: ran the function" in section
-    assert "{py:obj}`fsdp_guide.memory.plan`: planned each rank's bytes." in section
+    assert (
+        "{py:obj}`fsdp_guide.memory.plan`, {py:obj}`fsdp_guide.memory.Plan`: planned each rank's"
+        in section
+    )
     # Imported but not listed: still linked, in the same section.
     assert "{py:obj}`fsdp_guide.memory.format_bytes`" in section
 
