@@ -216,6 +216,14 @@ def record_units(
 
     Raises:
         ValueError: For a model with no FSDP2 unit.
+
+    Examples:
+        A model must be sharded with FSDP2 first (lesson 04 records one step on each rank):
+
+        >>> record_units(nn.Linear(2, 2), lambda: None, lambda loss: None)
+        Traceback (most recent call last):
+        ...
+        ValueError: the model has no FSDP2 unit: shard it first, ...
     """
     from torch.autograd.graph import saved_tensors_hooks
     from torch.distributed.tensor import DTensor
