@@ -1,7 +1,7 @@
 """Lesson 02's figures: what each ZeRO stage shards, and what OSS does in one step.
 
 ``02_zero_stages.svg`` counts fp32 Adam, as the lessons train (4 + 4 + 8 bytes per parameter);
-``02_zero_stages_mixed.svg``, on the landing page, the ZeRO paper's mixed-precision Adam
+``02_mixed_zero_stages.svg``, on the landing page, the ZeRO paper's mixed-precision Adam
 (2 + 2 + 12). Every rank row shows its parameters, gradients and optimizer state; a sharded
 block is filled only over the rank's own slice, the rest of it lives on the other ranks.
 """
@@ -124,7 +124,7 @@ FIGURES = {
     "02_zero_stages.svg": zero_stages(
         {"parameters": 4.0, "gradients": 4.0, "optimizer": 8.0}, "fp32"
     ),
-    "02_zero_stages_mixed.svg": zero_stages(
+    "02_mixed_zero_stages.svg": zero_stages(
         {"parameters": 2.0, "gradients": 2.0, "optimizer": 12.0}, "Mixed-precision"
     ),
     "02_oss_step.svg": oss_step,

@@ -8,11 +8,12 @@ so the figure follows the policies' code.
 
 from __future__ import annotations
 
-from fsdp_guide.models import Block, build_model
-from fsdp_guide.wrap import LayerPolicy, SizePolicy
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from style import COLORS, new_figure
+
+from fsdp_guide.models import Block, build_model
+from fsdp_guide.wrap import LayerPolicy, SizePolicy
 
 FONT = 11.5
 # The modules shown, as (qualified name, label): block 0 stands for blocks 0 to 3.
