@@ -358,8 +358,9 @@ def _forms(value: object) -> tuple[list[str], bool]:
     """The ways an output may print ``value``, and whether they are distinctive on their own.
 
     A number of four digits or more (or a decimal with three significant digits), or a string
-    of eight characters or more that is not a plain word, is unlikely to be printed by chance; a smaller value is a
-    give-away only on an output line that shares words with the exercise's prompt.
+    of eight characters or more that is not a plain word, is unlikely to be printed by chance;
+    a smaller value is a give-away only on an output line that shares words with the
+    exercise's prompt.
 
     Examples:
         >>> _forms(568352)
