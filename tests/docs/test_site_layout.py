@@ -21,7 +21,15 @@ pytestmark = [
 ]
 
 LESSON_04 = "notebooks/04_fully_sharded_data_parallel.html"
-PAGES = [*site_layout.KEY_PAGES, "api/fsdp_guide.launcher.magic.html"]
+# Lessons 01 to 05 in the lesson shape: their figures and key tables, at both widths.
+LESSONS_01_05 = [
+    "notebooks/01_launching_multi_process_cells.html",
+    "notebooks/02_optimizer_state_sharding.html",
+    "notebooks/03_sharded_ddp.html",
+    "notebooks/05_wrapping_policies.html",
+]
+PAGES = [*site_layout.KEY_PAGES, *LESSONS_01_05, "api/fsdp_guide.launcher.magic.html"]
+COMPARISON = "strategy | ZeRO | rank | params | grads | optimizer | measured | predicted"
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +46,8 @@ def test_no_output_scrolls_sideways_at_1280(layouts: dict, name: str) -> None:
 @pytest.mark.parametrize(
     ("name", "header"),
     [
-        (LESSON_04, "strategy | ZeRO | rank | params | grads | optimizer | measured | predicted"),
+        *((page, COMPARISON) for page in [*LESSONS_01_05[1:], LESSON_04]),
+        (LESSONS_01_05[0], "rank | parameter bytes"),
         ("guide/will_it_fit.html", "model |"),  # the table with the recommended column
     ],
 )
