@@ -227,8 +227,9 @@ def _glossary_link_spans(markdown: str) -> list[tuple[int, int]]:
 
 def unlinked_terms(cells: list[dict[str, Any]]) -> list[str]:
     """Glossary terms whose first use in the lesson's prose is not a link to the glossary."""
+    # An image's alt text describes the figure and cannot hold a link: not the term's use.
     prose = "\n\n".join(
-        re.sub(r"```.*?```", " ", _source(c), flags=re.DOTALL)
+        IMAGE.sub(" ", re.sub(r"```.*?```", " ", _source(c), flags=re.DOTALL))
         for c in cells
         if c["cell_type"] == "markdown"
     )
@@ -371,6 +372,8 @@ def test_the_number_check_finds_what_readers_tripped_on(
         ("Each rank runs a [reduce-scatter](../docs/guide/glossary.md#term-reduce-scatter).", 0),
         ("Each rank runs a reduce-scatter, then a [reduce-scatter](glossary.md).", 1),
         ("`reduce_scatter_tensor` is an API name, not prose.", 0),
+        ("![Each rank's reduce-scatter, drawn](figures/x.svg) A [reduce-scatter](glossary.md).", 0),
+        ("![A figure](figures/x.svg) then a reduce-scatter, unlinked.", 1),
     ],
 )
 def test_the_glossary_check(prose: str, problems: int) -> None:
