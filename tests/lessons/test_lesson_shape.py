@@ -272,7 +272,9 @@ def misplaced_names(cells: list[dict[str, Any]]) -> list[str]:
         for dotted in set(re.findall(r"\bfsdp_guide(?:\.\w+)+", text)):
             if not _resolves(dotted):
                 problems.append(f"markdown cell {index}: {dotted} does not exist")
-        pairs = re.findall(r"`(\w+)(?:\([^`]*\))?`\s*\(?(?:from|in|of)\s+`(fsdp_guide(?:\.\w+)*)`", text)
+        pairs = re.findall(
+            r"`(\w+)(?:\([^`]*\))?`\s*\(?(?:from|in|of)\s+`(fsdp_guide(?:\.\w+)*)`", text
+        )
         for name, module in pairs:
             if not _resolves(f"{module}.{name}"):
                 problems.append(f"markdown cell {index}: {name} is not in {module}")

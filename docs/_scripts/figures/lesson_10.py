@@ -10,7 +10,13 @@ from style import COLORS
 FLOW = (
     ("a Block: one unit", "white", False, "auto_wrap_policy={Block}", "which modules are units"),
     ("its shard, 1/N", "parameters", True, "cpu_offload", "the shard lives on the host"),
-    ("all-gather the full unit", "communication", True, "precision / mixed_precision", "gather in bf16 or fp32"),
+    (
+        "all-gather the full unit",
+        "communication",
+        True,
+        "precision / mixed_precision",
+        "gather in bf16 or fp32",
+    ),
     ("forward", "compute", False, "activation_checkpointing_policy", "keep its input, recompute"),
     ("free the gathered copy", "idle", False, "sharding_strategy", "free now, or after backward"),
     (
