@@ -436,6 +436,8 @@ def test_the_number_check_finds_what_readers_tripped_on(
             "[reduce-scatter](../docs/guide/glossary.md#term-reduce-scatter) and an all-reduce.",
             1,
         ),
+        ("![Each rank's reduce-scatter, drawn](figures/x.svg) A [reduce-scatter](glossary.md).", 0),
+        ("![A figure](figures/x.svg) then a reduce-scatter, unlinked.", 1),
     ],
 )
 def test_the_glossary_check(prose: str, problems: int) -> None:

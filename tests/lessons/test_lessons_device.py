@@ -287,8 +287,10 @@ NO_TRAINING = {
     ("04_fully_sharded_data_parallel.ipynb", "record_without_reshard"),
     ("04_fully_sharded_data_parallel.ipynb", "gathered"),
     ("07_lightning_strategies.ipynb", "oss_state_bytes"),
+    ("07_lightning_strategies.ipynb", "oss_layout"),
     ("05_wrapping_policies.ipynb", "wrap_fairscale"),
     ("08_ddp_optimizations.ipynb", "without_the_flag"),
+    ("08_ddp_optimizations.ipynb", "_check_accumulate"),  # trains the reader's accumulate
     # Lightning places model and batches itself: these build a Trainer from PLAN (below).
     ("10_lightning_fsdp_strategies.ipynb", "fit"),
     ("10_lightning_fsdp_strategies.ipynb", "fails"),
