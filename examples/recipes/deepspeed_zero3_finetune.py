@@ -313,9 +313,26 @@ def save_checkpoint(directory: str, step: int, engine: Any) -> None:
 # ---------------------------------------------------------------------------------- training
 
 
+def check_restartable() -> None:
+    """Refuse ``torchrun --max-restarts`` while the ranks share the agent's store.
+
+    torchrun's agent serves the ranks' store and keeps it across restarts; a restarted rank
+    can read the previous start's addresses there and fail to connect, or hang
+    (pytorch/pytorch#135712). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's
+    environment every start gets a store of its own.
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise RuntimeError(
+            "torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+            "environment, or restarted ranks may connect to the previous start's addresses"
+        )
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Train; return rank 0's log (one dict a step), printed as it goes."""
     args = parse_args(argv)
+    check_restartable()
     on_gpu = torch.cuda.is_available()
     if not on_gpu:  # before DeepSpeed is imported: it picks its device once, at import
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -396,6 +413,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     if on_gpu and rank == 0:
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     if started_here:
+        del engine, optimizer, model  # before their process group goes: freeing them later can hang
         dist.destroy_process_group()
     return log
 

@@ -298,9 +298,26 @@ def make_mesh(args: argparse.Namespace, device_type: str, world_size: int) -> De
     return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
 
 
+def check_restartable() -> None:
+    """Refuse ``torchrun --max-restarts`` while the ranks share the agent's store.
+
+    torchrun's agent serves the ranks' store and keeps it across restarts; a restarted rank
+    can read the previous start's addresses there and fail to connect, or hang
+    (pytorch/pytorch#135712). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's
+    environment every start gets a store of its own.
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise RuntimeError(
+            "torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+            "environment, or restarted ranks may connect to the previous start's addresses"
+        )
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     """Train; return rank 0's log (one dict a step), printed as it goes."""
     args = parse_args(argv)
+    check_restartable()
     started_here = not dist.is_initialized()
     if started_here:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -378,6 +395,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     if device.type == "cuda" and rank == 0:
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
     if started_here:
+        del model, optimizer  # before their process group goes: freeing them later can hang
         dist.destroy_process_group()
     return log
 
