@@ -303,3 +303,16 @@ def test_weights_that_miss_a_tensor_fail_on_every_rank(tmp_path: Path) -> None:
     with pytest.raises(RankError, match="lacks 1 weights of the model") as failed:
         fork(train, 2, "fsdp2", ["--model", str(tmp_path), "--steps", "1"])
     assert "lm_head.weight" in str(failed.value)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_restarts_on_the_agents_shared_store_are_refused_with_the_fix(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What torchrun --max-restarts 3 sets for its workers when its agent shares its store."""
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(RuntimeError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        recipe(engine).main(["--steps", "1"])
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what the fix makes it
+    recipe(engine).check_restartable()
