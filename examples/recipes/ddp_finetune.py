@@ -22,7 +22,7 @@ One GPU, eight GPUs of one node, four nodes of eight::
 
     torchrun --nproc-per-node 1 ddp_finetune.py --model /models/Llama-3.2-1B
     torchrun --nproc-per-node 8 ddp_finetune.py --model /models/Llama-3.2-1B \\
-        --data train.bin --seq-len 4096 --micro-batch 1 --grad-accum 8 --checkpoint-dir ckpt
+        --data train.bin --data-dtype uint32 --seq-len 4096 --micro-batch 1 --grad-accum 8
     torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
         --max-restarts 3 ddp_finetune.py --model /models/Llama-3.2-1B ...
 
@@ -75,7 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--weight-decay", type=float, default=0.1)
     train.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global norm")
     train.add_argument("--seed", type=int, default=0, help="the data order and a random init")
-    train.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
+    train.add_argument(
+        "--precision", choices=("bf16", "fp32"), default="bf16", help="on GPUs (CPUs: fp32)"
+    )
     train.add_argument(
         "--no-activation-checkpointing", dest="activation_checkpointing", action="store_false"
     )
@@ -193,6 +195,8 @@ def token_stream(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
     loss falls from ln(vocab) towards ln(2).
     """
     if args.data:
+        if args.data_dtype == "uint16" and vocab_size > 2**16:
+            raise ValueError(f"token ids up to {vocab_size - 1} need --data-dtype uint32")
         dtype = {"uint16": torch.uint16, "uint32": torch.uint32}[args.data_dtype]
         size = os.path.getsize(args.data) // dtype.itemsize
         return torch.from_file(args.data, shared=False, size=size, dtype=dtype)

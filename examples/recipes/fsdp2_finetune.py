@@ -17,14 +17,14 @@ What it does, in order:
    start finds the latest complete one and resumes from it, so ``torchrun --max-restarts``
    restarts carry on where the job stopped.
 
-One GPU, eight GPUs of one node, four nodes of eight (HSDP: shard within a node, replicate
-across nodes)::
+One GPU, eight GPUs of one node, four nodes of eight (the model sharded over all 32 GPUs; add
+``--gpus-per-node 8`` for HSDP, when one node's GPUs hold the sharded model)::
 
     torchrun --nproc-per-node 1 fsdp2_finetune.py --model /models/Llama-3.2-1B
     torchrun --nproc-per-node 8 fsdp2_finetune.py --model /models/Meta-Llama-3-8B \\
-        --data train.bin --seq-len 4096 --micro-batch 1 --grad-accum 8 --checkpoint-dir ckpt
+        --data train.bin --data-dtype uint32 --seq-len 4096 --micro-batch 1 --grad-accum 8
     torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
-        --max-restarts 3 fsdp2_finetune.py --model /models/Meta-Llama-3-70B --gpus-per-node 8 ...
+        --max-restarts 3 fsdp2_finetune.py --model /models/Meta-Llama-3-70B ...
 
 Without ``--model`` it fine-tunes a tiny Llama-shaped model on a synthetic token stream, on CPU
 with gloo where there is no GPU: ``torchrun --nproc-per-node 2 fsdp2_finetune.py``.
@@ -76,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--weight-decay", type=float, default=0.1)
     train.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global norm")
     train.add_argument("--seed", type=int, default=0, help="the data order and a random init")
-    train.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
+    train.add_argument(
+        "--precision", choices=("bf16", "fp32"), default="bf16", help="on GPUs (CPUs: fp32)"
+    )
     train.add_argument(
         "--no-activation-checkpointing", dest="activation_checkpointing", action="store_false"
     )
@@ -207,6 +209,8 @@ def token_stream(args: argparse.Namespace, vocab_size: int) -> torch.Tensor:
     loss falls from ln(vocab) towards ln(2).
     """
     if args.data:
+        if args.data_dtype == "uint16" and vocab_size > 2**16:
+            raise ValueError(f"token ids up to {vocab_size - 1} need --data-dtype uint32")
         dtype = {"uint16": torch.uint16, "uint32": torch.uint32}[args.data_dtype]
         size = os.path.getsize(args.data) // dtype.itemsize
         return torch.from_file(args.data, shared=False, size=size, dtype=dtype)

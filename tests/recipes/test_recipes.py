@@ -12,8 +12,9 @@ tests share them:
   costs seconds): per recipe, the same 2 ranks uninterrupted (the loaded weights gathered and
   compared with the files, the bytes each rank allocated while building and loading, the
   collectives of the training), 1 rank with the same global batch as 4 micro-batches of 2,
-  and 1 rank with one batch of 8; FSDP2 also as HSDP (a 2 x 1 mesh) and with gradient sync
-  skipped during accumulation.
+  and 1 rank with one batch of 8 (reading its tokens from a file of ``uint16`` ids, the
+  synthetic stream written out); FSDP2 also as HSDP (a 2 x 1 mesh, reading ``uint32`` ids)
+  and with gradient sync skipped during accumulation.
 
 Tolerance: fp32 on CPU; the runs add the same gradients in other orders (over ranks, over
 micro-batches), which changes the last bits of a sum. After 4 AdamW steps the losses and
@@ -90,6 +91,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tiny_llama(model_dir)
     common = ["--model", str(model_dir), "--steps", str(STEPS), "--seq-len", "32", "--lr", "3e-3"]
     zero3 = ["--deepspeed-config", str(zero3_config(tmp))]
+    # The synthetic stream written as token files: the runs that read them must see the
+    # same tokens as those that make the stream, and train to the same losses.
+    stream = recipe("fsdp2").token_stream(recipe("fsdp2").parse_args([]), 256).numpy()
+    for dtype in ("uint16", "uint32"):
+        stream.astype(dtype).tofile(tmp / f"tokens-{dtype}.bin")
+    data = {
+        d: ["--data", str(tmp / f"tokens-{d}.bin"), "--data-dtype", d] for d in ("uint16", "uint32")
+    }
     extra = {"fsdp2": [], "ddp": [], "deepspeed_zero3": zero3}
     two_ranks = ["--micro-batch", "2", "--grad-accum", "2"]
 
@@ -114,9 +123,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             out[engine, "2 ranks"] = fork(load_then_train, 2, engine, argv + two_ranks, model_dir)
             one = ["--micro-batch", "2", "--grad-accum", "4"]
             out[engine, "1 rank"] = fork(train, 1, engine, argv + one)[0]
-            batch = ["--micro-batch", "8", "--grad-accum", "1"]
+            batch = ["--micro-batch", "8", "--grad-accum", "1", *data["uint16"]]
             out[engine, "1 rank, one batch"] = fork(train, 1, engine, argv + batch)[0]
-        hsdp = [*common, *two_ranks, "--gpus-per-node", "1"]
+        hsdp = [*common, *two_ranks, "--gpus-per-node", "1", *data["uint32"]]
         out["hsdp"] = fork(load_then_train, 2, "fsdp2", hsdp, model_dir)
         no_sync = [*common, *two_ranks, "--no-sync-accumulation", "--no-reshard-after-forward"]
         out["no sync"] = fork(load_then_train, 2, "fsdp2", no_sync, model_dir)
@@ -278,13 +287,17 @@ def test_hsdp_and_unsynced_accumulation_train_to_the_same_losses(
     assert runs[run][0]["differing"] == []
 
 
-def test_bad_arguments_are_refused_before_anything_starts() -> None:
+def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path) -> None:
     module = recipe("deepspeed_zero3")
     args = module.parse_args(["--zero-stage", "2", "--offload-params"])
     with pytest.raises(ValueError, match="--offload-params needs ZeRO stage 3"):
         module.deepspeed_config(args, on_gpu=False)
     with pytest.raises(SystemExit):
         recipe("fsdp2").parse_args(["--grad-accum", "0"])
+    (tmp_path / "ids.bin").write_bytes(b"\0" * 64)
+    args = recipe("ddp").parse_args(["--data", str(tmp_path / "ids.bin")])  # uint16 ids
+    with pytest.raises(ValueError, match="token ids up to 128255 need --data-dtype uint32"):
+        recipe("ddp").token_stream(args, 128_256)  # Llama 3's vocabulary
 
 
 def test_weights_that_miss_a_tensor_fail_on_every_rank(tmp_path: Path) -> None:
