@@ -346,7 +346,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     warnings.filterwarnings("ignore", message=r".*is deprecated. Please use `torch.distributed")
     ds_config = deepspeed_config(args, on_gpu)
     started_here = not dist.is_initialized()
-    if started_here:  # torchrun, or the deepspeed launcher, set RANK, WORLD_SIZE, MASTER_*
+    if started_here:  # torchrun, or the deepspeed launcher, set RANK, LOCAL_RANK, MASTER_*...
+        if on_gpu:  # one GPU per rank, chosen before NCCL starts
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if on_gpu else "gloo")
     if not on_gpu:
         # On CPU DeepSpeed would compile its shared-memory collectives with a C++ compiler
@@ -354,8 +356,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the group above
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device(deepspeed.get_accelerator().current_device_name())
 
     config = model_config(args)
@@ -404,7 +404,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         }
         log.append(entry)
         if rank == 0:
-            tokens_per_s = len(batches) * batches[0].numel() * world_size / entry["seconds"]
+            tokens_per_s = args.micro_batch * args.grad_accum * args.seq_len * world_size
+            tokens_per_s /= entry["seconds"]
             print(
                 f"step {step + 1}: loss {entry['loss']:.6f} grad-norm {entry['grad_norm']:.6f} "
                 f"lr {entry['lr']:.3g} tokens/s {tokens_per_s:,.0f}",

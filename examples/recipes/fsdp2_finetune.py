@@ -323,14 +323,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     args = parse_args(argv)
     check_restartable()
     started_here = not dist.is_initialized()
-    if started_here:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+    if started_here:  # torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+        if torch.cuda.is_available():  # one GPU per rank, chosen before NCCL starts
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     config = model_config(args)
     mesh = make_mesh(args, device.type, world_size)
@@ -386,7 +385,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
         }
         log.append(entry)
         if rank == 0:
-            tokens_per_s = len(batches) * batches[0].numel() * world_size / entry["seconds"]
+            tokens_per_s = args.micro_batch * args.grad_accum * args.seq_len * world_size
+            tokens_per_s /= entry["seconds"]
             print(
                 f"step {step + 1}: loss {entry['loss']:.6f} grad-norm {entry['grad_norm']:.6f} "
                 f"lr {entry['lr']:.3g} tokens/s {tokens_per_s:,.0f}",

@@ -8,10 +8,12 @@ the files, then runs the recipe's ``main`` under a collective counter.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,39 @@ def build(engine: str, argv: list[str]) -> Any:
     return module.build_model(args, config, module.deepspeed_config(args, on_gpu=False))
 
 
+@contextlib.contextmanager
+def _most_gathered(model: Any) -> Iterator[list[int]]:
+    """The most bytes of ZeRO-3 parameters held whole at once, each time one is gathered.
+
+    Following allocations cannot tell it under DeepSpeed on CPU: the count misses releases
+    there, and grows with every parameter gathered, while the tensors alive after loading
+    are the partitions alone.
+    """
+    most = [0]
+    if "deepspeed" not in sys.modules:
+        yield most
+        return
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
+
+    enter = GatheredParameters.__enter__
+
+    def counting(self: Any) -> Any:
+        entered = enter(self)
+        whole = sum(
+            p.ds_numel * p.element_size()
+            for p in model.parameters()
+            if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE
+        )
+        most[0] = max(most[0], whole)
+        return entered
+
+    GatheredParameters.__enter__ = counting  # type: ignore[method-assign]
+    try:
+        yield most
+    finally:
+        GatheredParameters.__enter__ = enter  # type: ignore[method-assign]
+
+
 def _held(model: Any) -> list[torch.Tensor]:
     """The parameter storage this rank holds: FSDP2 shards, ZeRO-3 partitions, or whole."""
     from torch.distributed.tensor import DTensor
@@ -115,7 +150,8 @@ def load_then_train(
     Returns:
         ``built``: bytes of the parameters this rank holds once the model is built (its
         shards, or the whole model); ``peak``: bytes allocated at most while building and
-        loading;
+        loading; ``gathered``: under ZeRO-3, the most bytes of parameters held whole at once
+        while loading;
         ``compared``/``differing``: weights compared with the files, and those not equal;
         ``log``: the recipe's log (rank 0's losses and norms);
         ``comm``: calls and payload bytes of each kind of collective ``main`` issued on
@@ -129,7 +165,8 @@ def load_then_train(
         model = build(engine, argv)
         built = sum(t.numel() * t.element_size() for t in _held(model))
         gc.collect()
-        recipe(engine).load_weights(model, recipe(engine).parse_args(argv).model)
+        with _most_gathered(model) as held_whole:
+            recipe(engine).load_weights(model, recipe(engine).parse_args(argv).model)
     whole = gathered(engine, model)
     expected = file_weights(model_dir)
     differing = sorted(k for k in whole if k in expected and not torch.equal(whole[k], expected[k]))
@@ -143,6 +180,7 @@ def load_then_train(
     return {
         "built": built,
         "peak": seen.peak,
+        "gathered": held_whole[0],
         "compared": compared,
         "differing": differing,
         "log": log,
