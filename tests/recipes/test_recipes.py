@@ -336,3 +336,34 @@ def test_restarts_on_the_agents_shared_store_are_refused_with_the_fix(
         recipe(engine).main(["--steps", "1"])
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what the fix makes it
     recipe(engine).check_restartable()
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_every_block_is_recomputed_in_backward_unless_told_not_to(checkpointed: bool) -> None:
+    """Each decoder block runs twice a step when checkpointed: forward, and again in backward.
+
+    The recomputation calls the block's own forward, so it is seen from the layers inside.
+    """
+    module = recipe("ddp")
+    args = module.parse_args([] if checkpointed else ["--no-activation-checkpointing"])
+    model = module.build_model(args, module.model_config(args), torch.device("cpu"))
+    calls: list[torch.nn.Module] = []
+    inner = [next(block.children()) for block in module.blocks_of(model)]
+    for layer in inner:
+        layer.register_forward_pre_hook(lambda layer, args: calls.append(layer))
+    module.loss_of(model, torch.randint(0, 256, (2, 17))).backward()
+    assert len(inner) == 4  # the default tiny model's decoder layers
+    assert [calls.count(layer) for layer in inner] == [2 if checkpointed else 1] * 4
+
+
+def test_a_config_json_builds_the_model_it_describes(tmp_path: Path) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=300,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    module = recipe("fsdp2")
+    for given in (tmp_path, tmp_path / "config.json"):
+        config = module.model_config(module.parse_args(["--hf-config", str(given)]))
+        assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (48, 3, 300)
