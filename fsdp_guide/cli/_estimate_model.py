@@ -272,7 +272,9 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
 
     The recommendation (:func:`~fsdp_guide.memory.recommend`) is the strategy that fits
     (within ``gpu_memory`` less the margin) on the best-maintained engine (FSDP2 before FSDP1,
-    both before FairScale), with the least communication per step, then the least memory.
+    both before FairScale), with the least communication per step, then the least memory;
+    under it, the fine-tuning recipe of the repository's ``examples/recipes`` that trains
+    that way.
 
     Examples:
         >>> from fsdp_guide.memory import plan
@@ -287,8 +289,10 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
         fsdp2     0.28 MB  0.28 MB  0.57 MB    26.11 KB     1.14 MB    2.30 MB  1.14 MB    yes
         recommended: fsdp2 (fits 2.60 MB with 10% margin; maintained engines first,
         then the least communication)
+        recipe: examples/recipes/fsdp2_finetune.py
     """
     from fsdp_guide.cli._estimate import readable
+    from fsdp_guide.cli._recipe import recipe_for
     from fsdp_guide.compare import text_table
     from fsdp_guide.memory import format_bytes, recommend
 
@@ -320,6 +324,7 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
                 f"recommended: {best.strategy} (fits {size} with {margin:.0%} margin; "
                 "maintained engines first, then the least communication)"
             )
+            out.append(f"recipe: {recipe_for(best.strategy)}")
         else:
             out.append(f"recommended: none fits {size} with {margin:.0%} margin; add GPUs")
     return "\n".join(out)
