@@ -7,6 +7,13 @@ builds a ``(dp, tp)`` device mesh and :func:`parallelize` applies ``parallelize_
 ``tp`` and ``fully_shard`` on ``dp``. :func:`fsdp_guide.memory.plan` with
 ``tensor_parallel=`` predicts what each rank then holds and sends; :func:`train_2d` (a
 launched rank) measures it, and :func:`reference_losses` trains the same model unsharded.
+
+Pipeline parallelism cuts the model into stages of whole layers instead
+(:meth:`ParallelTransformer.pipeline_layers`: :class:`TokenEmbedding`, the blocks,
+:class:`OutputHead`): :func:`build_pipeline` puts this rank's stages under one of
+``torch.distributed.pipelining``'s schedules, FSDP2 on a data-parallel mesh if given, and
+:func:`train_pipeline` (a launched rank) measures what ``plan(..., pipeline_parallel=p)``
+predicts, and when each action ran.
 """
 
 from __future__ import annotations
@@ -16,22 +23,31 @@ from fsdp_guide.parallel._model import (
     TP_PLAN,
     Attention,
     FeedForward,
+    OutputHead,
     ParallelBlock,
     ParallelConfig,
     ParallelTransformer,
+    TokenEmbedding,
 )
+from fsdp_guide.parallel._pipeline import Pipeline, build_pipeline
+from fsdp_guide.parallel._pipeline_run import train_pipeline
 from fsdp_guide.parallel._run import reference_losses, token_batch, train_2d
 
 __all__ = [
     "TP_PLAN",
     "Attention",
     "FeedForward",
+    "OutputHead",
     "ParallelBlock",
     "ParallelConfig",
     "ParallelTransformer",
+    "Pipeline",
+    "TokenEmbedding",
+    "build_pipeline",
     "mesh_2d",
     "parallelize",
     "reference_losses",
     "token_batch",
     "train_2d",
+    "train_pipeline",
 ]
