@@ -150,7 +150,8 @@ class PipelineSchedule:
     def formula_bubble(self) -> float:
         """The textbook idle share of a step, ``(p - 1) / (v · m + p - 1)``: ``p - 1`` stage
         times of filling and draining, against ``v · m`` of work per rank (equal stages,
-        free communication; a zero-bubble schedule does better, see :meth:`bubble`).
+        free communication, and for interleaved stages at least ``p`` micro-batches; a
+        zero-bubble schedule does better, see :meth:`bubble`).
 
         Examples:
             >>> pipeline_schedule("GPipe", ranks=4, microbatches=8).formula_bubble
