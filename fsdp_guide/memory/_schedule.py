@@ -76,6 +76,8 @@ class TimedAction(NamedTuple):
 
 
 Timeline = tuple[tuple[TimedAction, ...], ...]
+#: A step per rank, as :class:`TimedAction` or as a run records it: ``("1F0", start, end)``.
+Records = Sequence[Sequence[TimedAction | tuple[str, float, float]]]
 
 
 def canonical_schedule(name: object) -> str:
@@ -223,23 +225,30 @@ class PipelineSchedule:
             return None
         return max(found, default=0.0)
 
-    def bubble(self, timeline: Timeline | None = None) -> tuple[float, ...]:
+    def bubble(self, timeline: Records | None = None) -> tuple[float, ...]:
         """Each rank's idle share of the step: 1 - its busy time / the step's span.
 
         Args:
-            timeline: A measured timeline (seconds, one clock for all ranks); by default
-                the simulated one (:meth:`timeline`).
+            timeline: Per rank, its actions with their start and end: a measured step (the
+                ``(action, start, end)`` records of a run, in seconds of one clock for all
+                ranks), or by default the simulated one (:meth:`timeline`).
 
         Examples:
             >>> schedule = pipeline_schedule("GPipe", ranks=2, microbatches=4)
             >>> [round(b, 6) for b in schedule.bubble()], schedule.formula_bubble
             ([0.2, 0.2], 0.2)
         """
-        steps = self.timeline() if timeline is None else timeline
+        steps = self.timeline() if timeline is None else timeline_of(timeline)
         first = min(t.start for rank in steps for t in rank)
         last = max(t.end for rank in steps for t in rank)
         span = last - first
         return tuple(1 - sum(t.end - t.start for t in rank) / span for rank in steps)
+
+    @staticmethod
+    def read(records: Records) -> Timeline:
+        """Records of a step, ``(action, start, end)`` per rank with the action as torch
+        writes it (``"1F0"``), as :class:`TimedAction` s."""
+        return timeline_of(records)
 
     def in_flight(self, rank: int) -> tuple[dict[int, int], ...]:
         """After each action of ``rank``: micro-batches whose activations each of its stages
@@ -358,16 +367,22 @@ def pipeline_schedule(
     )
 
 
-def timeline_of(
-    records: Sequence[Sequence[tuple[str, float, float]]],
-) -> Timeline:
-    """A measured timeline from each rank's ``(action, start, end)`` records.
+def timeline_of(records: Records) -> Timeline:
+    """A timeline from each rank's records, ``(action, start, end)`` with the action as
+    torch writes it (``"1F0"``) or as a :class:`PipelineAction`.
 
     Examples:
         >>> timeline_of([[("0F0", 0.0, 1.5)]])[0][0].action
         PipelineAction(stage=0, kind='F', microbatch=0)
     """
     return tuple(
-        tuple(TimedAction(PipelineAction.parse(a), float(s), float(e)) for a, s, e in rank)
+        tuple(
+            TimedAction(
+                a if isinstance(a, PipelineAction) else PipelineAction.parse(a),
+                float(s),
+                float(e),
+            )
+            for a, s, e in rank
+        )
         for rank in records
     )

@@ -30,6 +30,7 @@ from fsdp_guide.parallel._model import (
     TokenEmbedding,
 )
 from fsdp_guide.parallel._pipeline import Pipeline, build_pipeline
+from fsdp_guide.parallel._pipeline_plot import plot_schedule
 from fsdp_guide.parallel._pipeline_run import train_pipeline
 from fsdp_guide.parallel._run import reference_losses, token_batch, train_2d
 
@@ -46,6 +47,7 @@ __all__ = [
     "build_pipeline",
     "mesh_2d",
     "parallelize",
+    "plot_schedule",
     "reference_losses",
     "token_batch",
     "train_2d",

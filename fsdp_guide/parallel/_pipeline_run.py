@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ def train_pipeline(
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     lr: float = 1e-2,
     device: torch.device | None = None,
+    measure: bool = True,
 ) -> dict[str, Any]:
     """Train a model cut into pipeline stages on ``world_size // dp`` pipeline ranks.
 
@@ -65,12 +67,17 @@ def train_pipeline(
             :func:`~fsdp_guide.parallel.token_batch`).
         lr: Adam's learning rate.
         device: This rank's device (:func:`fsdp_guide.launcher.rank_device` by default).
+        measure: Measure the last step's bytes; ``False`` only times it, so that neither
+            the activation tracking nor the collective counter's dispatch slows the actions
+            (then ``activations`` is 0 and ``collectives`` empty).
 
     Returns:
         ``losses`` (the mean loss of each step on the ranks holding the last stage, else
         empty), ``state`` (a :class:`~fsdp_guide.memory.ModelState`), ``activations``
         (bytes), ``collectives`` (payload bytes per kind), ``timeline`` (the last step's
-        ``(action, start, end)``), ``pp_rank``, ``dp_rank`` and ``stages``.
+        ``(action, start, end)``), ``grads`` (with ``dp == 1``: the last step's gradient of
+        each of the rank's parameters, by its name in the whole model), ``pp_rank``,
+        ``dp_rank`` and ``stages``.
     """
     import torch.distributed as dist
 
@@ -94,8 +101,9 @@ def train_pipeline(
         device=device,
     )
     optimizer = torch.optim.Adam(pipeline.modules.parameters(), lr=lr)
+    names = {id(p): name for name, p in built.named_parameters()}
     share = batch_size // dp
-    losses = []
+    losses, grads = [], {}
     for step in range(steps):
         inputs, targets = (
             batch(step) if batch is not None else token_batch(config, batch_size, step)
@@ -106,18 +114,27 @@ def train_pipeline(
         last = step == steps - 1
         if last:
             dist.barrier()  # the ranks start the measured step together
-        with count_collectives() as counter:
-            loss = pipeline.step(inputs, targets, activations=last)
+        counting = count_collectives() if measure else contextlib.nullcontext()
+        with counting as counter:
+            loss = pipeline.step(inputs, targets, activations=last and measure)
+            if last and dp == 1:
+                grads = {
+                    names[id(p)]: p.grad.clone()
+                    for p in pipeline.modules.parameters()
+                    if p.grad is not None
+                }
             optimizer.step()
         if loss is not None:
             losses.append(loss)
         state = measure_model_state(pipeline.modules, optimizer)
         optimizer.zero_grad()
+    sent = {k: c.bytes for k, c in counter.stats.kinds.items()} if counter is not None else {}
     return {
         "losses": losses,
         "state": state,
         "activations": pipeline.activations,
-        "collectives": {k: c.bytes for k, c in counter.stats.kinds.items()},
+        "collectives": sent,
+        "grads": grads if dp == 1 else {},
         "timeline": pipeline.timeline,
         "pp_rank": pipeline.rank,
         "dp_rank": dp_rank,
