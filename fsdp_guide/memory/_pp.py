@@ -255,7 +255,8 @@ def stage_requests(request: PlanRequest) -> list[PlanRequest]:
 
 def _stage_plan(request: PlanRequest, sub: Plan, peak: int, local_params: int) -> Plan:
     """A pipeline rank's plan with what the pipeline changes: the schedule's activation peak,
-    FSDP2 gathering once, and what it holds gathered through the step."""
+    FSDP2 gathering once, and what it holds gathered through the step. Its step peak is a
+    bound: the state with its gradients, the activation peak and the gathered stages added."""
     payload = dict(sub.communication.payload)
     kept = ("send", "recv")
     if request.data_parallel == 1:  # no engine: only the pipeline's messages
@@ -269,15 +270,15 @@ def _stage_plan(request: PlanRequest, sub: Plan, peak: int, local_params: int) -
         per = request.per_param
         transient = (per.params + per.grads) * local_params
         kind = "the stages' parameters gathered and their unsharded gradients, all step"
-    total = sub.between_steps[0].total if sub.between_steps else 0
     return replace(
         sub,
         activations=peak,
         communication=communication,
         transient=transient,
         transient_kind=kind,
-        step_peak=max(r.total for r in sub.ranks) + peak + transient if sub.ranks else total,
-        step_peak_phase="the schedule's activation peak",
+        # A bound, not a traced moment: everything the step holds, as if all at once.
+        step_peak=sub.state.total + peak + transient,
+        step_peak_phase="the schedule's activation peak (a bound)",
         step_peak_kind="state with gradients + activations in flight + gathered stages",
     )
 

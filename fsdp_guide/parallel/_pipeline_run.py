@@ -75,7 +75,8 @@ def train_pipeline(
         ``losses`` (the mean loss of each step on the ranks holding the last stage, else
         empty), ``state`` (a :class:`~fsdp_guide.memory.ModelState`), ``activations``
         (bytes), ``collectives`` (payload bytes per kind), ``timeline`` (the last step's
-        ``(action, start, end)``), ``grads`` (with ``dp == 1``: the last step's gradient of
+        ``(action, start, end)``), ``timelines`` (every step's, the first one setting the
+        pipeline up), ``grads`` (with ``dp == 1``: the last step's gradient of
         each of the rank's parameters, by its name in the whole model), ``pp_rank``,
         ``dp_rank`` and ``stages``.
     """
@@ -103,7 +104,7 @@ def train_pipeline(
     optimizer = torch.optim.Adam(pipeline.modules.parameters(), lr=lr)
     names = {id(p): name for name, p in built.named_parameters()}
     share = batch_size // dp
-    losses, grads = [], {}
+    losses, grads, timelines = [], {}, []
     for step in range(steps):
         inputs, targets = (
             batch(step) if batch is not None else token_batch(config, batch_size, step)
@@ -124,6 +125,7 @@ def train_pipeline(
                     if p.grad is not None
                 }
             optimizer.step()
+        timelines.append(list(pipeline.timeline))
         if loss is not None:
             losses.append(loss)
         state = measure_model_state(pipeline.modules, optimizer)
@@ -136,6 +138,7 @@ def train_pipeline(
         "collectives": sent,
         "grads": grads if dp == 1 else {},
         "timeline": pipeline.timeline,
+        "timelines": timelines,
         "pp_rank": pipeline.rank,
         "dp_rank": dp_rank,
         "stages": pipeline.actions.rank_stages(pipeline.rank),
