@@ -95,8 +95,8 @@ def stage_bounds(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...
 
 def pipeline_stages(model: nn.Module, stages: int) -> list[nn.Sequential]:
     """``model`` cut into ``stages`` pipeline stages, as :func:`~fsdp_guide.memory.plan` cuts
-    it: contiguous runs of its layers (:func:`stage_bounds`), each an ``nn.Sequential`` of the
-    model's own modules (not copies).
+    it: contiguous runs of its layers, their counts differing by one at most (the larger
+    stages last), each an ``nn.Sequential`` of the model's own modules (not copies).
 
     Args:
         model: An ``nn.Sequential``, or a model whose ``pipeline_layers()`` returns one

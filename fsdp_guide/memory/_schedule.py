@@ -22,11 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 from fsdp_guide.errors import PlanError
-
-ActionKind = Literal["F", "B", "I", "W"]
 
 #: The schedules planned, by torch's names (``get_schedule_class`` takes any case), and how
 #: many stages each rank holds: one, several (``0`` for "two by default, any number from
@@ -51,7 +49,7 @@ class PipelineAction(NamedTuple):
     """
 
     stage: int
-    kind: ActionKind
+    kind: str  # "F", "B", "I" or "W"
     microbatch: int
 
     def __str__(self) -> str:

@@ -9,8 +9,8 @@ builds a ``(dp, tp)`` device mesh and :func:`parallelize` applies ``parallelize_
 launched rank) measures it, and :func:`reference_losses` trains the same model unsharded.
 
 Pipeline parallelism cuts the model into stages of whole layers instead
-(:meth:`ParallelTransformer.pipeline_layers`: :class:`TokenEmbedding`, the blocks,
-:class:`OutputHead`): :func:`build_pipeline` puts this rank's stages under one of
+(:meth:`ParallelTransformer.pipeline_layers`: its embeddings, the blocks, its norm and
+head): :func:`build_pipeline` puts this rank's stages under one of
 ``torch.distributed.pipelining``'s schedules, FSDP2 on a data-parallel mesh if given, and
 :func:`train_pipeline` (a launched rank) measures what ``plan(..., pipeline_parallel=p)``
 predicts, and when each action ran.
@@ -23,11 +23,9 @@ from fsdp_guide.parallel._model import (
     TP_PLAN,
     Attention,
     FeedForward,
-    OutputHead,
     ParallelBlock,
     ParallelConfig,
     ParallelTransformer,
-    TokenEmbedding,
 )
 from fsdp_guide.parallel._pipeline import Pipeline, build_pipeline
 from fsdp_guide.parallel._pipeline_plot import plot_schedule
@@ -38,12 +36,10 @@ __all__ = [
     "TP_PLAN",
     "Attention",
     "FeedForward",
-    "OutputHead",
     "ParallelBlock",
     "ParallelConfig",
     "ParallelTransformer",
     "Pipeline",
-    "TokenEmbedding",
     "build_pipeline",
     "mesh_2d",
     "parallelize",
