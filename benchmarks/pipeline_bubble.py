@@ -12,13 +12,15 @@ equal stages and free messages would give).
 
 GPipe and 1F1B at ``p`` = 2 and 4 and ``m`` = 1, 2, 4, 8 (torch's 1F1B refuses ``m < p``);
 Interleaved 1F1B (``v`` = 2), Interleaved Zero Bubble and ZBV at ``p`` = 2. The measured bubble
-is a timing: it varies with the machine and its load, and with more ranks than free cores
-the ranks' compute slows down whenever more of them run at once, which the formula does not
-know.
+is a timing: it varies with the machine and its load. With more ranks than free cores the
+ranks' compute slows down whenever more of them run at once, which the formula does not know;
+and every message a rank waits for costs it a wake-up, which on cores busy with other
+processes is a scheduler time slice, so there the measured bubble grows with the number of
+micro-batches (messages) instead of falling. The load average is written beside the table.
 
 Usage::
 
-    python benchmarks/pipeline_bubble.py [--steps 4] [--out benchmarks/results/pipeline_bubble.md]
+    python benchmarks/pipeline_bubble.py [--steps 6] [--out benchmarks/results/pipeline_bubble.md]
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def measure(schedule: str, p: int, m: int, steps: int) -> dict[str, Any] | str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="measured steps per setting")
+    parser.add_argument("--steps", type=int, default=6, help="measured steps per setting")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/pipeline_bubble.md"))
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
@@ -132,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         "stages. A rank's bubble is the share of the step in which it runs no forward or "
         "backward; the table shows the mean over ranks (the least and the most idle rank in "
         "brackets), the median over steps. *Simulated*: the schedule's own actions placed "
-        "with this step's median forward and backward times, messages free.",
+        "with this step's median forward and backward times, messages free. Each message a "
+        "rank waits for costs it a wake-up; on cores busy with other processes that is a "
+        "scheduler time slice, and the measured bubble then grows with the micro-batches.",
         "",
         "| schedule | p | v | m | formula | simulated | measured (min-max) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
