@@ -25,6 +25,7 @@ def plot_schedule(
     title: str = "",
     unit: str = "",
     show_stage: bool | None = None,
+    labels: bool = True,
 ) -> Any:
     """Draw a pipeline step: one row per rank, one box per action from its start to its end.
 
@@ -42,6 +43,7 @@ def plot_schedule(
         unit: ``"ms"`` to show seconds as milliseconds from the first start; by default the
             times as given, from the first start.
         show_stage: Label boxes with their stage too (default: when a rank holds several).
+        labels: Label the boxes at all (many small boxes read better without).
 
     Returns:
         The axes.
@@ -82,12 +84,10 @@ def plot_schedule(
                     linewidth=0.6,
                 )
             )
-            label = (
-                f"{t.action.stage}:{t.action.microbatch}"
-                if show_stage
-                else str(t.action.microbatch)
-            )
-            ax.text((x0 + x1) / 2, y + 0.5, label, ha="center", va="center", fontsize=8)
+            if labels:
+                mb = t.action.microbatch
+                label = f"{t.action.stage}:{mb}" if show_stage else str(mb)
+                ax.text((x0 + x1) / 2, y + 0.5, label, ha="center", va="center", fontsize=8)
     end = max((t.end - first) * scale for row in rows for t in row)
     ax.set_xlim(0, end)
     ax.set_ylim(0, len(rows))
