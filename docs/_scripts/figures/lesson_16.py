@@ -58,8 +58,13 @@ def _legend(figure: Figure, kinds: tuple[str, ...], columns: int) -> None:
     handles = [Patch(color=KIND_COLORS[k], label=KIND_NAMES[k]) for k in kinds]
     handles.append(Patch(facecolor="white", edgecolor=COLORS["idle"], label="idle (bubble)"))
     figure.legend(
-        handles=handles, loc="lower center", ncol=columns, fontsize=LABEL - 1,
-        frameon=False, handlelength=1.2, columnspacing=1.0,
+        handles=handles,
+        loc="lower center",
+        ncol=columns,
+        fontsize=LABEL - 1,
+        frameon=False,
+        handlelength=1.2,
+        columnspacing=1.0,
     )
 
 
