@@ -173,6 +173,19 @@ def _bf16_kind(strategy: str, precision: str) -> Literal["params", "autocast"]:
     return "params" if mixed else "autocast"
 
 
+def _pipeline_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``plan()``'s pipeline keywords from the command line (none without a pipeline)."""
+    pp = getattr(args, "pipeline_parallel", 1)
+    if pp == 1:
+        return {}
+    return {
+        "pipeline_parallel": pp,
+        "microbatches": args.microbatches,
+        "schedule": args.schedule,
+        "stages_per_rank": args.stages_per_rank,
+    }
+
+
 def run_model(args: argparse.Namespace) -> int:
     """Plan ``args.model`` for each strategy; print a table (or JSON) and a recommendation."""
     from fsdp_guide.catalog import STRATEGIES
@@ -183,7 +196,8 @@ def run_model(args: argparse.Namespace) -> int:
     from fsdp_guide.models import MLP
 
     tp = getattr(args, "tensor_parallel", 1)
-    names = args.strategy or (["fsdp2"] if tp > 1 else list(STRATEGIES))
+    pp = getattr(args, "pipeline_parallel", 1)
+    names = args.strategy or (["fsdp2"] if tp > 1 or pp > 1 else list(STRATEGIES))
     plans: list[Plan] = []
     with_units = [name for name in names if follows_units(engine_for(name))]
     if args.wrap is not None and not with_units:
@@ -211,7 +225,7 @@ def run_model(args: argparse.Namespace) -> int:
             # model as one rank cuts it.
             traces: dict[str, int] = {}
             measured = getattr(args, "activations", None)  # stated: no trace
-            for name in names if tp == 1 and measured is None else []:
+            for name in names if tp == 1 and pp == 1 and measured is None else []:
                 kind = _bf16_kind(name, args.precision)
                 if kind not in traces:
                     traces[kind] = traced_activation_bytes(
@@ -238,6 +252,7 @@ def run_model(args: argparse.Namespace) -> int:
                     tensor_parallel=tp,
                     sequence_parallel=getattr(args, "sequence_parallel", False),
                     batch=batch.build,
+                    **_pipeline_options(args),
                     policy=policy,
                 )
             )

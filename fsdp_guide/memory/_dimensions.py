@@ -1,10 +1,11 @@
 """The model one rank computes, after each model-parallel dimension has cut it (private).
 
 A plan starts from the whole model (:class:`RankModel` of :func:`whole`) and lets each
-dimension of the mesh cut it in turn (:data:`CUTS`): tensor parallelism replaces the layers
-of its plan by a rank's shards and adds its collectives; a pipeline would keep a rank's
-stages, context parallelism a rank's share of the sequence. Whatever is left is sharded (or
-replicated) by the strategy's engine over the data-parallel ranks.
+dimension of the mesh cut it in turn (:data:`CUTS`): a pipeline keeps a rank's stages and
+adds their messages; tensor parallelism replaces the layers of its plan by a rank's shards
+and adds its collectives; context parallelism would keep a rank's share of the sequence.
+Whatever is left is sharded (or replicated) by the strategy's engine over the data-parallel
+ranks.
 
 Adding a dimension is a field of :class:`~fsdp_guide.memory._request.PlanRequest` and a
 function here, ``(request, rank) -> rank``, appended to :data:`CUTS`.
@@ -19,6 +20,7 @@ from torch import nn
 
 from fsdp_guide.memory._request import PlanRequest
 from fsdp_guide.memory._tp import (
+    _style,
     cut_layers,
     local_model,
     sequence_parallel_model,
@@ -58,6 +60,13 @@ def whole(request: PlanRequest) -> RankModel:
     return RankModel(model=request.model)
 
 
+def pipeline_parallel(request: PlanRequest, rank: RankModel) -> RankModel:
+    """The stages of the request's pipeline rank, and the messages its schedule sends."""
+    from fsdp_guide.memory._pp import pipeline_cut  # it builds on RankModel
+
+    return pipeline_cut(request, rank)
+
+
 def tensor_parallel(request: PlanRequest, rank: RankModel) -> RankModel:
     """The layers of the tensor-parallel plan cut over ``tensor_parallel`` ranks, and their
     all-reduces (with sequence parallelism: all-gathers and reduce-scatters)."""
@@ -65,7 +74,12 @@ def tensor_parallel(request: PlanRequest, rank: RankModel) -> RankModel:
     if tp == 1:
         return rank
     model = rank.model
-    cut = cut_layers(model, tp, tp_plan_of(model, request.tp_plan))
+    tp_plan = tp_plan_of(model, request.tp_plan)
+    if request.pipeline_parallel > 1:
+        cut_layers(request.model, tp, tp_plan)  # checked on the whole model
+        if not any(_style(name, tp_plan) for name, _ in model.named_modules() if name):
+            return rank  # a stage with no layer to cut (the embeddings alone) is replicated
+    cut = cut_layers(model, tp, tp_plan)
     b, s = request.batch_size, request.seq_len
     local = local_model(model, tp, cut)
     if request.sequence_parallel:
@@ -77,7 +91,10 @@ def tensor_parallel(request: PlanRequest, rank: RankModel) -> RankModel:
 
 
 #: The cuts, in the order they apply.
-CUTS: tuple[Callable[[PlanRequest, RankModel], RankModel], ...] = (tensor_parallel,)
+CUTS: tuple[Callable[[PlanRequest, RankModel], RankModel], ...] = (
+    pipeline_parallel,
+    tensor_parallel,
+)
 
 
 def rank_model(request: PlanRequest) -> RankModel:

@@ -45,8 +45,9 @@ from fsdp_guide.engines import (
 from fsdp_guide.errors import PlanError
 from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
+from fsdp_guide.memory._pp import combine, stage_requests
 from fsdp_guide.memory._predict import state_per_rank
-from fsdp_guide.memory._request import MAX_RANKS, PlanRequest, resolve
+from fsdp_guide.memory._request import PlanRequest, resolve
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._trace import (
     BatchBuilder,
@@ -96,6 +97,10 @@ def plan(
     tp_plan: Mapping[str, str] | None = None,
     settings: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
+    pipeline_parallel: int = 1,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    stages_per_rank: int | None = None,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -139,6 +144,26 @@ def plan(
             all-reduce of each rowwise layer becomes a reduce-scatter, each cut module's input
             and the head's input are all-gathered, backward mirrors them, and the norms'
             replicated weights have their gradients all-reduced over ``tp``.
+        pipeline_parallel: Pipeline ranks, ``p``: the ranks form a ``(p, dp, tp)`` mesh and
+            the model, an ``nn.Sequential`` of layers (or a model whose ``pipeline_layers()``
+            returns one), is cut into ``p · v`` contiguous stages (equal numbers of layers,
+            the larger stages last), each rank holding its schedule's. ``batch_size`` is then
+            the batch of one pipeline (per data-parallel group), split into micro-batches.
+            Planned in fp32 with ``"fsdp2"`` over the data-parallel ranks (run, as torchtitan
+            does, with ``reshard_after_forward=False``), or ``"ddp"``/``"fsdp2"`` when there
+            is one data-parallel rank (no engine then). :attr:`Plan.pipeline` holds the
+            stages, the schedule and each pipeline rank's plan.
+        microbatches: Micro-batches per step, ``m`` (default ``p``); must divide
+            ``batch_size``.
+        schedule: ``"GPipe"``, ``"1F1B"`` (default), ``"Interleaved1F1B"``,
+            ``"InterleavedZeroBubble"`` or ``"ZBVZeroBubble"``, torch's schedules
+            (:func:`fsdp_guide.memory.pipeline_schedule`). The activations are the schedule's
+            peak: the micro-batches in flight on the rank's stages after the forward that
+            holds the most. With a split backward (the zero-bubble schedules) a micro-batch
+            counts until its weights' gradient; the input's half frees part of it earlier, so
+            there the figure is an upper bound.
+        stages_per_rank: Stages each pipeline rank holds, ``v``: 1 for GPipe and 1F1B, 2 by
+            default for the others.
 
     Returns:
         A :class:`Plan`.
@@ -148,7 +173,9 @@ def plan(
             builder, CPU offload with a strategy that does not shard parameters; a
             tensor-parallel degree that does not divide the ranks or the cut layers, with a
             strategy other than ``"fsdp2"``, or without a plan; ``sequence_parallel``
-            without tensor parallelism or with a ``seq_len`` that does not divide by it.
+            without tensor parallelism or with a ``seq_len`` that does not divide by it; a
+            world that is not ``pp x dp x tp`` ranks, more stages than layers, micro-batches
+            that do not divide the batch, or a pipeline with what it is not planned with.
 
     Examples:
         >>> from fsdp_guide.memory import predict_model_state
@@ -187,14 +214,31 @@ def plan(
         tp_plan=tp_plan,
         settings=settings,
         sequence_parallel=sequence_parallel,
+        pipeline_parallel=pipeline_parallel,
+        microbatches=microbatches,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
     )
+    if request.pipeline_parallel > 1:
+        return _pipeline(request)
+    return _plan_request(request)[0]
+
+
+def _plan_request(request: PlanRequest) -> tuple[Plan, RankModel]:
+    """The plan of one request, and the model its rank computes."""
     rank = rank_model(request)
     shape, units = _units(request, rank)
     ranks, exact = _model_state(request, shape)
     saved = _activations(request, rank)
     communication = _communication(request, rank, shape)
     sizes = _step_sizes(request, rank, shape, saved)
-    return _assemble(request, units, ranks, exact, sizes, communication)
+    return _assemble(request, units, ranks, exact, sizes, communication), rank
+
+
+def _pipeline(request: PlanRequest) -> Plan:
+    """A plan per pipeline rank (its stages, their engine), combined into one."""
+    subs = [_plan_request(r) for r in stage_requests(request)]
+    return combine(request, [p for p, _ in subs], [r.model for _, r in subs])
 
 
 def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
@@ -219,14 +263,16 @@ def _model_state(request: PlanRequest, shape: ModelShape) -> tuple[tuple[ModelSt
     by_dp, exact = state_per_rank(
         request.engine, shape, request.data_parallel, request.precision, request.optimizer
     )
-    tp = request.tensor_parallel
-    return tuple(by_dp[r // tp] for r in range(request.world_size)), exact
+    tp, dp = request.tensor_parallel, request.data_parallel
+    return tuple(by_dp[r // tp % dp] for r in range(request.world_size)), exact
 
 
 def _activations(request: PlanRequest, rank: RankModel) -> int:
     """The bytes autograd saves in the rank's forward: given, or traced on fake tensors."""
     if request.activations is not None:
         return request.activations
+    if request.pipeline_parallel > 1:  # the schedule's peak, set when the plans combine
+        return 0
     return traced_activation_bytes(
         rank.model,
         request.batch_size,

@@ -7,6 +7,13 @@ builds a ``(dp, tp)`` device mesh and :func:`parallelize` applies ``parallelize_
 ``tp`` and ``fully_shard`` on ``dp``. :func:`fsdp_guide.memory.plan` with
 ``tensor_parallel=`` predicts what each rank then holds and sends; :func:`train_2d` (a
 launched rank) measures it, and :func:`reference_losses` trains the same model unsharded.
+
+Pipeline parallelism cuts the model into stages of whole layers instead
+(:meth:`ParallelTransformer.pipeline_layers`: its embeddings, the blocks, its norm and
+head): :func:`build_pipeline` puts this rank's stages under one of
+``torch.distributed.pipelining``'s schedules, FSDP2 on a data-parallel mesh if given, and
+:func:`train_pipeline` (a launched rank) measures what ``plan(..., pipeline_parallel=p)``
+predicts, and when each action ran.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from fsdp_guide.parallel._model import (
     ParallelConfig,
     ParallelTransformer,
 )
+from fsdp_guide.parallel._pipeline import Pipeline, build_pipeline
+from fsdp_guide.parallel._pipeline_plot import plot_schedule
+from fsdp_guide.parallel._pipeline_run import train_pipeline
 from fsdp_guide.parallel._run import reference_losses, token_batch, train_2d
 
 __all__ = [
@@ -29,9 +39,13 @@ __all__ = [
     "ParallelBlock",
     "ParallelConfig",
     "ParallelTransformer",
+    "Pipeline",
+    "build_pipeline",
     "mesh_2d",
     "parallelize",
+    "plot_schedule",
     "reference_losses",
     "token_batch",
     "train_2d",
+    "train_pipeline",
 ]
