@@ -23,8 +23,8 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import fields, replace
 from typing import Any
 
 from torch import nn
@@ -46,7 +46,7 @@ from fsdp_guide.errors import PlanError
 from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
 from fsdp_guide.memory._predict import state_per_rank
-from fsdp_guide.memory._request import MAX_RANKS, PlanRequest, resolve
+from fsdp_guide.memory._request import PlanRequest, resolve
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._trace import (
     BatchBuilder,
@@ -96,6 +96,10 @@ def plan(
     tp_plan: Mapping[str, str] | None = None,
     settings: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
+    context_parallel: int = 1,
+    cp_layout: str = "zigzag",
+    expert_parallel: int = 1,
+    expert_routing: Sequence[Sequence[int]] | None = None,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -139,6 +143,25 @@ def plan(
             all-reduce of each rowwise layer becomes a reduce-scatter, each cut module's input
             and the head's input are all-gathered, backward mirrors them, and the norms'
             replicated weights have their gradients all-reduced over ``tp``.
+        context_parallel: Ranks per context-parallel group, ``c``: each computes
+            ``seq_len / c`` tokens of every sample and its attention is a ring
+            (:func:`fsdp_guide.parallel.ring_attention`). The groups are taken from the
+            data-parallel ranks, which the strategy still shards over (the ranks of a group
+            hold the same weights); ``batch_size`` is then per context-parallel group. Adds
+            the ring's ``send`` and ``recv`` per step.
+        cp_layout: How the sequence is cut over a context-parallel group: ``"zigzag"``
+            (chunks ``r`` and ``2c - 1 - r`` of ``2c``, balanced causal work) or ``"naive"``.
+        expert_parallel: Ranks per expert-parallel group, ``e``, within the data-parallel
+            ranks (``"fsdp2"`` only): each keeps ``E / e`` experts of every
+            mixture-of-experts layer, laid out over the ``dp / e`` ranks holding the same
+            ones, while the dense layers are sharded over all ``dp``; adds the all-to-alls
+            that route the tokens. Needs ``activations=`` (what a rank's experts compute
+            depends on the routing).
+        expert_routing: Tokens each rank of an expert-parallel group sends each expert,
+            ``[rank][expert]``, the same for every layer; ``None`` plans a balanced router
+            (each rank receives as many token copies as it sends). With a routing,
+            :attr:`Plan.all_to_all` gives each rank's payload and the communication is the
+            busiest rank's.
 
     Returns:
         A :class:`Plan`.
@@ -187,14 +210,18 @@ def plan(
         tp_plan=tp_plan,
         settings=settings,
         sequence_parallel=sequence_parallel,
+        context_parallel=context_parallel,
+        cp_layout=cp_layout,
+        expert_parallel=expert_parallel,
+        expert_routing=expert_routing,
     )
     rank = rank_model(request)
     shape, units = _units(request, rank)
-    ranks, exact = _model_state(request, shape)
+    ranks, exact = _model_state(request, shape, rank)
     saved = _activations(request, rank)
     communication = _communication(request, rank, shape)
     sizes = _step_sizes(request, rank, shape, saved)
-    return _assemble(request, units, ranks, exact, sizes, communication)
+    return _assemble(request, units, ranks, exact, sizes, communication, rank.all_to_all)
 
 
 def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
@@ -210,17 +237,35 @@ def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
     return shape, unit_summary(rank.model, names, request.policy)
 
 
-def _model_state(request: PlanRequest, shape: ModelShape) -> tuple[tuple[ModelState, ...], bool]:
+def _model_state(
+    request: PlanRequest, shape: ModelShape, rank: RankModel
+) -> tuple[tuple[ModelState, ...], bool]:
     """Each rank's state after the optimizer step, and whether it is the engine's to the byte.
 
     The engine lays the state out over the data-parallel ranks; the mesh is row-major, so
-    the ``tensor_parallel`` ranks of a group share their data-parallel rank's layout.
+    the ``tensor_parallel`` ranks of a group share their data-parallel rank's layout. Experts
+    laid out apart (expert parallelism) add the layout of the ranks holding the same ones.
     """
     by_dp, exact = state_per_rank(
         request.engine, shape, request.data_parallel, request.precision, request.optimizer
     )
     tp = request.tensor_parallel
-    return tuple(by_dp[r // tp] for r in range(request.world_size)), exact
+    states = [by_dp[r // tp] for r in range(request.world_size)]
+    if rank.experts is not None:
+        by_group, exact_experts = state_per_rank(
+            request.engine, rank.experts, rank.expert_ranks, request.precision, request.optimizer
+        )
+        e = request.expert_parallel
+        states = [_add(s, by_group[(r // tp) // e]) for r, s in enumerate(states)]
+        exact = exact and exact_experts
+    return tuple(states), exact
+
+
+def _add(a: ModelState, b: ModelState) -> ModelState:
+    """Two states held together, field by field."""
+    return ModelState(
+        **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a) if f.init}
+    )
 
 
 def _activations(request: PlanRequest, rank: RankModel) -> int:
@@ -230,7 +275,7 @@ def _activations(request: PlanRequest, rank: RankModel) -> int:
     return traced_activation_bytes(
         rank.model,
         request.batch_size,
-        request.seq_len,
+        rank.seq_len,
         precision=request.precision,
         activation_checkpointing=request.checkpointing,
         batch=request.batch,
@@ -245,8 +290,19 @@ def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> 
     )
     if not rank.payload:
         return predicted
+    added = dict(rank.payload)
+    if rank.experts is not None and rank.expert_ranks > 1:  # the experts' own shards
+        experts = predict_communication(
+            request.strategy,
+            rank.experts.num_params,
+            rank.expert_ranks,
+            request.comm_dtype,
+            shape=rank.experts,
+        )
+        for kind, elements in experts.payload.items():
+            added[kind] = added.get(kind, 0) + elements
     payload = dict(predicted.payload)
-    for kind, elements in rank.payload.items():
+    for kind, elements in added.items():
         payload[kind] = payload.get(kind, 0) + elements
     # A kind the engine issues keeps its group; one only the cuts issue takes theirs.
     groups = {k: g for k, g in rank.groups.items() if k not in predicted.payload}
@@ -284,6 +340,7 @@ def _assemble(
     exact: bool,
     sizes: StepSizes,
     communication: CommPrediction,
+    all_to_all: tuple[int, ...] = (),
 ) -> Plan:
     """The :class:`Plan`: the fullest rank's state, what it keeps between steps, the engine's
     transient buffer and step peak."""
@@ -330,4 +387,7 @@ def _assemble(
         units=units,
         sequence_parallel=request.sequence_parallel,
         kept_params=0 if gathered is None else gathered.after_forward,
+        context_parallel=request.context_parallel,
+        expert_parallel=request.expert_parallel,
+        all_to_all=all_to_all,
     )

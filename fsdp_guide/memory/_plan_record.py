@@ -51,6 +51,13 @@ class Plan:
         kept_params: Bytes of whole parameters still gathered when forward returns,
             beyond the state, alive with the activations: DeepSpeed ZeRO-3 keeps those it
             uses again soon (every one of a small model); 0 for the other strategies.
+        context_parallel: Ranks of each context-parallel group (1: none); the activations
+            and the ring's messages are then those of a rank computing ``seq_len / c``
+            tokens.
+        expert_parallel: Ranks of each expert-parallel group (1: none).
+        all_to_all: With expert parallelism, each rank of an expert-parallel group's
+            all-to-all payload elements per step, ``all_to_all[r]`` for its ``r``-th rank
+            (``communication`` holds the largest); empty otherwise.
     """
 
     strategy: str
@@ -73,6 +80,9 @@ class Plan:
     units: str = ""
     sequence_parallel: bool = False
     kept_params: int = 0
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    all_to_all: tuple[int, ...] = ()
 
     @property
     def fullest_rank(self) -> int:

@@ -22,6 +22,8 @@ from torch import nn
 from fsdp_guide.catalog import get_strategy
 from fsdp_guide.engines import Engine, UnitPolicy, UnitRule, engine_for
 from fsdp_guide.errors import PlanError
+from fsdp_guide.memory._cp import check_context_parallel
+from fsdp_guide.memory._ep import check_expert_parallel
 from fsdp_guide.memory._trace import BatchBuilder, Checkpointing, build_on_meta, check_sizes
 from fsdp_guide.memory._zero import BytesPerParam, OptimizerName, Precision, bytes_per_param
 
@@ -50,6 +52,13 @@ class PlanRequest:
         tensor_parallel: Ranks per tensor-parallel group (1: none).
         tp_plan: Layer name (or pattern) to style, or ``None`` for the model's own.
         sequence_parallel: Whether the sequence is cut over the tensor-parallel ranks too.
+        context_parallel: Ranks per context-parallel group (1: none), within the
+            data-parallel ranks.
+        cp_layout: How the sequence is cut over them: ``"naive"`` or ``"zigzag"``.
+        expert_parallel: Ranks per expert-parallel group (1: none), within the
+            data-parallel ranks.
+        expert_routing: Tokens each rank of an expert-parallel group sends each expert,
+            ``[rank][expert]``, or ``None`` for a balanced router.
     """
 
     model: nn.Module
@@ -68,6 +77,10 @@ class PlanRequest:
     tensor_parallel: int
     tp_plan: Mapping[str, str] | None
     sequence_parallel: bool
+    context_parallel: int = 1
+    cp_layout: str = "zigzag"
+    expert_parallel: int = 1
+    expert_routing: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def autocast(self) -> bool:
@@ -134,6 +147,10 @@ def resolve(
     tp_plan: Mapping[str, str] | None,
     settings: Mapping[str, Any] | None,
     sequence_parallel: bool,
+    context_parallel: int = 1,
+    cp_layout: str = "zigzag",
+    expert_parallel: int = 1,
+    expert_routing: Any = None,
 ) -> PlanRequest:
     """``plan()``'s keywords checked, in the order a caller's mistakes are best named.
 
@@ -173,6 +190,12 @@ def resolve(
         raise PlanError(f"{type(model).__name__} has no parameters to train")
     tp = _check_tensor_parallel(engine, world_size, tensor_parallel)
     _check_sequence_parallel(sequence_parallel, tp, seq_len)
+    cp = check_context_parallel(context_parallel, cp_layout, world_size // tp, seq_len)
+    if cp > 1 and sequence_parallel:
+        raise PlanError("sequence_parallel with context_parallel > 1 is not planned: pick one")
+    ep, routing = check_expert_parallel(
+        expert_parallel, expert_routing, model, engine, world_size // tp, activations
+    )
     return PlanRequest(
         model=model,
         strategy=name,
@@ -190,6 +213,10 @@ def resolve(
         tensor_parallel=tp,
         tp_plan=tp_plan,
         sequence_parallel=sequence_parallel,
+        context_parallel=cp,
+        cp_layout=cp_layout,
+        expert_parallel=ep,
+        expert_routing=routing,
     )
 
 
