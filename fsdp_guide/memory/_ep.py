@@ -8,8 +8,9 @@ backward mirrors both. The weights are then laid out two ways, as torchtitan lay
 the dense layers by the strategy over all ``dp`` data-parallel ranks, each rank's experts
 over the ``dp / e`` ranks that hold the same experts (the same position in their group).
 
-Experts are found as a module with an int ``num_experts`` whose own parameters have
-``num_experts`` rows (transformers' grouped experts: Mixtral's, Qwen-MoE's).
+Experts are found as a module with an int ``num_experts`` whose own parameters include a
+weight per expert, ``(num_experts, out, in)`` (transformers' grouped experts: Mixtral's,
+Qwen-MoE's); its parameters with ``num_experts`` rows are the experts'.
 
 **All-to-all payload**, counted as ``count_collectives`` counts it (each call's input): per
 layer and step, ``E`` routing counts, then ``H`` features of each token copy sent and of
@@ -83,7 +84,7 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
         if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
             continue
         own = [p for p in module.parameters(recurse=False) if p.dim() and p.shape[0] == experts]
-        if not own:
+        if not any(p.dim() == 3 for p in own):  # a router's (E, H) weight is not experts
             continue
         hidden = getattr(module, "hidden_dim", getattr(module, "hidden_size", None))
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
@@ -104,7 +105,7 @@ def check_expert_parallel(
     engine: Engine,
     ranks: int,
     activations: int | None,
-) -> tuple[int, tuple[tuple[int, ...], ...] | None]:
+) -> tuple[int, Routing | None]:
     """``expert_parallel`` and ``expert_routing`` checked against the model and the ranks.
 
     Raises:
@@ -146,28 +147,43 @@ def check_expert_parallel(
             "expert_parallel needs activations= (bytes one rank's forward saves, measured with "
             "saved_activation_bytes): what a rank's experts compute depends on the routing"
         )
-    return e, _check_routing(routing, e, {layer.num_experts for layer in layers})
+    return e, _check_routing(routing, e, layers)
 
 
-def _check_routing(
-    routing: object, e: int, experts: set[int]
-) -> tuple[tuple[int, ...], ...] | None:
+Routing = tuple[tuple[tuple[int, ...], ...], ...]
+
+
+def _check_routing(routing: object, e: int, layers: list[MoELayer]) -> Routing | None:
+    """The routing of each layer, ``[layer][rank][expert]``: one routing given for every
+    layer, or one per layer."""
     if routing is None:
         return None
-    rows = tuple(tuple(row) for row in routing) if isinstance(routing, Sequence) else None
-    counts = [n for row in rows or () for n in row]
-    if (
-        rows is None
-        or len(rows) != e
-        or len({len(row) for row in rows}) != 1
-        or len(rows[0]) not in experts
-        or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in counts)
-    ):
+    table = _as_table(routing)
+    depth = 2 if table and all(isinstance(n, int) for row in table for n in row) else 3
+    per_layer = [table] * len(layers) if depth == 2 else [_as_table(t) for t in table]
+    if depth == 3 and len(per_layer) != len(layers):
         raise PlanError(
-            f"expert_routing must be {e} rows (one per expert-parallel rank) of "
-            f"{' or '.join(map(str, sorted(experts)))} token counts >= 0 (one per expert)"
+            f"expert_routing has {len(per_layer)} layers' routings; the model has "
+            f"{len(layers)} mixture-of-experts layers (give one routing, or one per layer)"
         )
-    return rows
+    for layer, rows in zip(layers, per_layer, strict=False):
+        counts = [n for row in rows for n in row]
+        if (
+            len(rows) != e
+            or any(len(row) != layer.num_experts for row in rows)
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in counts)
+        ):
+            raise PlanError(
+                f"expert_routing must be {e} rows (one per expert-parallel rank) of "
+                f"{layer.num_experts} token counts >= 0 (one per expert of {layer.name})"
+            )
+    return tuple(tuple(tuple(int(n) for n in row) for row in rows) for rows in per_layer)
+
+
+def _as_table(value: object) -> tuple[Any, ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise PlanError(f"expert_routing must be nested sequences of counts, got {value!r}")
+    return tuple(tuple(row) if isinstance(row, Sequence) else (row,) for row in value)
 
 
 def all_to_all_elements(
@@ -215,8 +231,9 @@ def cut_experts(request: PlanRequest, rank: RankModel) -> RankModel:
         units.append(tuple(local))
     tokens = request.batch_size * rank.seq_len
     by_rank = [0] * e
-    for layer in layers:
-        for r, n in enumerate(all_to_all_elements(layer, tokens, e, request.expert_routing)):
+    routings = request.expert_routing or (None,) * len(layers)
+    for layer, routing in zip(layers, routings, strict=True):
+        for r, n in enumerate(all_to_all_elements(layer, tokens, e, routing)):
             by_rank[r] += n
     cut = replace(
         rank,

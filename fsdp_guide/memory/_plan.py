@@ -99,7 +99,7 @@ def plan(
     context_parallel: int = 1,
     cp_layout: str = "zigzag",
     expert_parallel: int = 1,
-    expert_routing: Sequence[Sequence[int]] | None = None,
+    expert_routing: Sequence[Sequence[Any]] | None = None,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -158,7 +158,8 @@ def plan(
             that route the tokens. Needs ``activations=`` (what a rank's experts compute
             depends on the routing).
         expert_routing: Tokens each rank of an expert-parallel group sends each expert,
-            ``[rank][expert]``, the same for every layer; ``None`` plans a balanced router
+            ``[rank][expert]`` for every mixture-of-experts layer alike, or
+            ``[layer][rank][expert]``; ``None`` plans a balanced router
             (each rank receives as many token copies as it sends). With a routing,
             :attr:`Plan.all_to_all` gives each rank's payload and the communication is the
             busiest rank's.

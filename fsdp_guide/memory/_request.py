@@ -57,8 +57,9 @@ class PlanRequest:
         cp_layout: How the sequence is cut over them: ``"naive"`` or ``"zigzag"``.
         expert_parallel: Ranks per expert-parallel group (1: none), within the
             data-parallel ranks.
-        expert_routing: Tokens each rank of an expert-parallel group sends each expert,
-            ``[rank][expert]``, or ``None`` for a balanced router.
+        expert_routing: Tokens each rank of an expert-parallel group sends each expert of
+            each mixture-of-experts layer, ``[layer][rank][expert]``, or ``None`` for a
+            balanced router.
     """
 
     model: nn.Module
@@ -80,7 +81,7 @@ class PlanRequest:
     context_parallel: int = 1
     cp_layout: str = "zigzag"
     expert_parallel: int = 1
-    expert_routing: tuple[tuple[int, ...], ...] | None = None
+    expert_routing: tuple[tuple[tuple[int, ...], ...], ...] | None = None
 
     @property
     def autocast(self) -> bool:
