@@ -29,6 +29,14 @@ def moe_batch(
     )
 
 
+def _build(config: Any) -> nn.Module:
+    """The causal LM of a transformers ``config``, with random weights (no download)."""
+    import transformers
+
+    model: nn.Module = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    return model
+
+
 def _loss(model: nn.Module, ids: Tensor, targets: Tensor) -> Tensor:
     logits = model(input_ids=ids).logits
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -46,7 +54,8 @@ def _shard(model: nn.Module, layers: list[ExpertParallelMoE], mesh: Any) -> None
         else:
             ignored.update(layer.experts.parameters())
     dense = mesh["efsdp", "ep"]._flatten("dp")
-    for block in getattr(model, "model", model).layers:
+    blocks: Any = getattr(model, "model", model).layers
+    for block in blocks:
         fully_shard(block, mesh=dense, ignored_params=ignored or None)
     fully_shard(model, mesh=dense, ignored_params=ignored or None)
 
@@ -101,7 +110,6 @@ def train_expert_parallel(
         ``collectives`` (payload elements per kind), ``routing`` (each layer's
         :class:`~fsdp_guide.parallel.Routing` of the last step) and ``ep_rank``.
     """
-    import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_guide.comm import count_collectives
@@ -112,7 +120,7 @@ def train_expert_parallel(
     device = device or rank_device()
     mesh = init_device_mesh(device.type, (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(device)
+    model = _build(config).to(device)
     layers = expert_parallelize(model, mesh["ep"].get_group(), capacity_factor)
     _shard(model, layers, mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
@@ -144,10 +152,8 @@ def reference_moe_losses(
     config: Any, *, steps: int = 2, batch_size: int = 4, seq_len: int = 8, lr: float = 1e-2
 ) -> list[float]:
     """The losses of the same training in one process, every expert on it, the whole batch."""
-    import transformers
-
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = _build(config)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
