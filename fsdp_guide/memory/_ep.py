@@ -144,8 +144,9 @@ def check_expert_parallel(
         )
     if activations is None:
         raise PlanError(
-            "expert_parallel needs activations= (bytes one rank's forward saves, measured with "
-            "saved_activation_bytes): what a rank's experts compute depends on the routing"
+            "expert_parallel needs the bytes one rank's forward saves, measured with "
+            "saved_activation_bytes, as activations= (on the command line, --activations): "
+            "what a rank's experts compute depends on the routing"
         )
     return e, _check_routing(routing, e, layers)
 
