@@ -143,11 +143,15 @@ def generate_result_pages(results_dir: Path, generated_dir: Path, docs_dir: Path
                 "```\n"
             )
         write_if_changed(out / f"{name}.md", text)
+    # A result's figure (``![...](name.svg)`` in its table's page) travels with it.
+    for figure in results_dir.glob("*.svg") if results_dir.is_dir() else []:
+        write_bytes_if_changed(out / figure.name, figure.read_bytes())
     if committed:
         body = "\n".join(
             f"## {titles[name]}\n\nWritten by `benchmarks/{name}.py` to "
             f"`benchmarks/results/{name}.md`.\n\n"
-            f"```{{include}} /_generated/results/{name}.md\n:heading-offset: 1\n```\n"
+            f"```{{include}} /_generated/results/{name}.md\n:heading-offset: 1\n"
+            ":relative-images:\n```\n"
             for name in committed
         )
     else:

@@ -12,8 +12,9 @@ Context parallelism cuts the sequence: :func:`ring_attention` computes exact att
 a sequence spread over ranks (each rank's share cut by :func:`shard_sequence`), passing K/V
 blocks round a ring of point-to-point messages; :func:`ring_schedule` says how much of a
 block each rank computes at each step (causal masking leaves ranks idle unless the sequence
-is cut ``"zigzag"``), :func:`record_ring_steps` times the steps, and
-:func:`train_context_parallel` trains :class:`ParallelTransformer` that way with FSDP2.
+is cut ``"zigzag"``), :func:`record_ring_steps` times the steps and :func:`plot_ring_steps`
+draws them, and :func:`train_context_parallel` trains :class:`ParallelTransformer` that way
+with FSDP2.
 
 Expert parallelism spreads a mixture of experts' experts over ranks:
 :class:`ExpertParallelMoE` takes a transformers MoE block and routes its tokens with two
@@ -42,6 +43,7 @@ from fsdp_guide.parallel._ring import (
     ring_schedule,
     shard_sequence,
 )
+from fsdp_guide.parallel._ring_plot import plot_ring_steps
 from fsdp_guide.parallel._run import reference_losses, token_batch, train_2d
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "Routing",
     "mesh_2d",
     "parallelize",
+    "plot_ring_steps",
     "record_ring_steps",
     "reference_losses",
     "reference_moe_losses",
