@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from fsdp_guide.parallel._model import Attention, ParallelConfig, ParallelTransformer
-from fsdp_guide.parallel._ring import Layout, ring_attention, shard_sequence
+from fsdp_guide.parallel._ring import ring_attention
+from fsdp_guide.parallel._ring_layout import Layout, shard_sequence
 
 
 class RingSelfAttention(nn.Module):

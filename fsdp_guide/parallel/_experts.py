@@ -107,7 +107,9 @@ class ExpertParallelMoE(nn.Module):
         >>> import transformers
         >>> config = transformers.MixtralConfig(hidden_size=8, intermediate_size=16,
         ...     num_local_experts=4, num_experts_per_tok=2)
+        >>> config._experts_implementation = "eager"
         >>> block = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(config)
+        >>> _ = torch.manual_seed(0), [torch.nn.init.normal_(p) for p in block.parameters()]
         >>> moe = ExpertParallelMoE(block)  # no process group: one rank, every expert
         >>> x = torch.randn(2, 3, 8)
         >>> torch.allclose(moe(x), block(x), atol=1e-6), moe.routing.received_total

@@ -60,6 +60,12 @@ def _shard(model: nn.Module, layers: list[ExpertParallelMoE], mesh: Any) -> None
     fully_shard(model, mesh=dense, ignored_params=ignored or None)
 
 
+def _local_numel(param: Tensor) -> int:
+    """Elements of ``param`` on this rank: its shard when FSDP2 sharded it."""
+    local = getattr(param, "to_local", None)
+    return int(local().numel()) if callable(local) else param.numel()
+
+
 def _average_expert_grads(layers: list[ExpertParallelMoE], ep: int) -> None:
     """An expert's gradient sums the tokens of its whole expert-parallel group, ``ep`` ranks'
     worth, where the dense layers' reduce-scatter averages each rank's: divide by ``ep``
@@ -108,7 +114,8 @@ def train_expert_parallel(
     Returns:
         ``losses``, ``state`` (after the step), ``activations`` (bytes saved by the forward),
         ``collectives`` (payload elements per kind), ``routing`` (each layer's
-        :class:`~fsdp_guide.parallel.Routing` of the last step) and ``ep_rank``.
+        :class:`~fsdp_guide.parallel.Routing` of the last step), ``expert_params`` (the
+        experts' elements this rank holds, its shards of them) and ``ep_rank``.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -144,6 +151,9 @@ def train_expert_parallel(
         "activations": saved,
         "collectives": counter.stats.elements_by_kind(),
         "routing": [layer.routing for layer in layers],
+        "expert_params": sum(
+            _local_numel(p) for layer in layers for p in layer.experts.parameters()
+        ),
         "ep_rank": mesh["ep"].get_local_rank(),
     }
 

@@ -42,13 +42,11 @@ def plot_ring_steps(calls: Mapping[str, Sequence[Sequence[Event]]], width: float
     Returns:
         A matplotlib ``Figure``.
     """
-    from matplotlib.figure import Figure
+    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     rows = sum(len(ranks) for ranks in calls.values()) + len(calls) - 1
-    figure = Figure(figsize=(width, 1.4 + 0.6 * rows))
-    figure.patch.set_facecolor("white")
-    ax = figure.subplots()
+    figure, ax = plt.subplots(figsize=(width, 1.4 + 0.6 * rows))
     ticks: list[tuple[int, str]] = []
     y = 0
     for label, ranks in calls.items():
