@@ -8,6 +8,11 @@ backward mirrors both. The weights are then laid out two ways, as torchtitan lay
 the dense layers by the strategy over all ``dp`` data-parallel ranks, each rank's experts
 over the ``dp / e`` ranks that hold the same experts (the same position in their group).
 
+FSDP2 shards each tensor along its first dimension, the experts': when a rank holds fewer
+experts than the ranks that shard them, the shards are padded and some ranks hold a whole
+expert (torchtitan then shards the experts along another dimension). The plan follows
+``fully_shard``'s default, as the runs of :func:`fsdp_guide.parallel.train_expert_parallel` do.
+
 Experts are found as a module with an int ``num_experts`` whose own parameters include a
 weight per expert, ``(num_experts, out, in)`` (transformers' grouped experts: Mixtral's,
 Qwen-MoE's); its parameters with ``num_experts`` rows are the experts'.
