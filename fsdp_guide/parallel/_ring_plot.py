@@ -32,7 +32,7 @@ def idle_shares(ranks: Sequence[Sequence[Event]]) -> list[float]:
 def plot_ring_steps(calls: Mapping[str, Sequence[Sequence[Event]]], width: float = 6.0) -> Any:
     """A figure of recorded ring calls: for each label, a row per rank, each ring step's
     compute as a bar (forward, then backward) and the rest of the call, idle, in grey; each
-    row says the rank's idle share (:func:`idle_shares`).
+    row says the rank's idle share.
 
     Args:
         calls: Label (a layout, say) to one call's steps on each rank, ``[rank][step]``,
