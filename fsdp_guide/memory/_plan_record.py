@@ -151,4 +151,6 @@ class Plan:
             "units": self.units,
             "sequence_parallel": self.sequence_parallel,
             "kept_params": self.kept_params,
+            "context_parallel": self.context_parallel,
+            "expert_parallel": self.expert_parallel,
         }

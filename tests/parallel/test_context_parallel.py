@@ -204,6 +204,7 @@ def test_estimate_plans_context_parallel(capsys: pytest.CaptureFixture[str]) -> 
     (a, *_), (b, *_) = json.loads(flat), json.loads(ring)
     assert b["activations"] < a["activations"] and b["communication"] > a["communication"]
     assert b["model_state"] == a["model_state"]  # the ring cuts tokens, not weights
+    assert (a["context_parallel"], b["context_parallel"]) == (1, 2)
 
 
 def test_estimate_help_documents_the_options(capsys: pytest.CaptureFixture[str]) -> None:

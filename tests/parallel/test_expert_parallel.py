@@ -201,3 +201,10 @@ def test_estimate_refuses_a_dense_model_in_one_line(capsys: pytest.CaptureFixtur
     assert main(["estimate", *argv, "--expert-parallel", "2", "--world-size", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "is a dense model" in err and "\n" not in err
+
+
+def test_estimate_refuses_experts_that_do_not_divide(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--hf", "mixtral", "--hf-arg", "num_hidden_layers=1", "--activations", "1MB"]
+    assert main(["estimate", *argv, "--expert-parallel", "3", "--world-size", "6"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "8 experts, not divisible by expert_parallel=3" in err and "\n" not in err
