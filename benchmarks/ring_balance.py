@@ -44,14 +44,14 @@ HEADS, HEAD_DIM = 4, 64
 
 def timed_calls(
     rank: int, world_size: int, seq_len: int, repeats: int
-) -> dict[str, list[list[tuple[str, int, float, float, float]]]]:
+) -> dict[str, list[list[Any]]]:
     """On a launched rank: ``repeats`` causal ring attentions per layout, each call's steps."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, HEADS, seq_len, HEAD_DIM, generator=g) for _ in range(3))
-    calls: dict[str, list[list[tuple[str, int, float, float, float]]]] = {}
+    calls: dict[str, list[list[Any]]] = {}
     for layout in LAYOUTS:
         mine = [shard_sequence(t, rank, world_size, layout, dim=2) for t in (q, k, v)]  # type: ignore[arg-type]
         calls[layout] = []
@@ -67,24 +67,36 @@ def timed_calls(
     return calls
 
 
-def _wall(ranks: list[list[tuple[str, int, float, float, float]]]) -> tuple[float, float]:
+def _wall(ranks: list[list[Any]]) -> tuple[float, float]:
     """(first start, last end) of one call over every rank."""
-    return min(e[2] for r in ranks for e in r), max(e[3] for r in ranks for e in r)
+    return min(e.start for r in ranks for e in r), max(e.end for r in ranks for e in r)
+
+
+def compute_bound(ranks: list[list[Any]]) -> float:
+    """The call's length on cores of its own: each ring step as long as its busiest rank's
+    CPU time, the steps one after the other (what a loaded machine's wall clock blurs)."""
+    steps: dict[tuple[str, int], float] = {}
+    for events in ranks:
+        for e in events:
+            steps[e.phase, e.step] = max(steps.get((e.phase, e.step), 0.0), e.cpu)
+    return sum(steps.values())
 
 
 def summarize(results: list[dict[str, Any]], layout: str) -> dict[str, Any]:
-    """Median call time and each rank's busy and idle share over the repeats."""
+    """Median wall time, compute-bound time and each rank's idle share over the repeats."""
     repeats = len(results[0][layout])
-    times, idle = [], [[] for _ in results]
+    times, bound, idle = [], [], [[] for _ in results]
     for i in range(repeats):
         ranks = [r[layout][i] for r in results]
         start, end = _wall(ranks)
         times.append(end - start)
+        bound.append(compute_bound(ranks))
         for rank, events in enumerate(ranks):
-            busy = sum(e[3] - e[2] for e in events)
+            busy = sum(e.end - e.start for e in events)
             idle[rank].append(1 - busy / (end - start))
     return {
         "time": statistics.median(times),
+        "bound": statistics.median(bound),
         "idle": [statistics.median(x) for x in idle],
         "median_call": sorted(range(repeats), key=lambda i: times[i])[repeats // 2],
     }
@@ -118,26 +130,33 @@ def main() -> None:
         layout: sum(max(col) for col in zip(*ring_schedule(c, layout), strict=True))
         for layout in LAYOUTS
     }
+    load = os.getloadavg()[0]
     lines = [
         "# Causal ring attention: the naive cut against the zigzag cut",
         "",
         f"Causal ring attention, forward and backward, on {c} gloo ranks of one CPU "
-        f"({os.cpu_count()} cores, one thread per rank); one sequence of {args.seq_len} tokens, "
-        f"{HEADS} heads of {HEAD_DIM}; median of {args.repeats} calls, one run "
-        "(`python benchmarks/ring_balance.py`). *Planned* is the ring's length in blocks of "
-        "`(seq_len / c)²` query-key pairs (each step as long as its busiest rank, "
-        "`ring_schedule`); *idle* is the share of the call a rank spends waiting.",
+        f"({os.cpu_count()} cores, one thread per rank, load average {load:.1f} when the run "
+        f"ended); one sequence of {args.seq_len} tokens, {HEADS} heads of {HEAD_DIM}; median of "
+        f"{args.repeats} calls, one run (`python benchmarks/ring_balance.py`). *Wall* is the "
+        "call's time from the ranks' common start to the last rank's end; *compute-bound* "
+        "adds up, step by step, the busiest rank's CPU time (the call's length on cores of its "
+        "own, which a loaded machine's wall clock blurs); *planned* is the ring's length in "
+        "blocks of `(seq_len / c)²` query-key pairs (`ring_schedule`); *idle* is the share of "
+        "the wall time a rank spends waiting.",
         "",
-        "| layout | time (ms) | vs zigzag | planned (blocks) | planned vs zigzag | "
-        + " | ".join(f"rank {r} idle" for r in range(c))
+        "| layout | wall (ms) | vs zigzag | compute-bound (ms) | vs zigzag | planned (blocks) "
+        "| vs zigzag | " + " | ".join(f"rank {r} idle" for r in range(c)) + " |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | "
+        + " | ".join("---:" for _ in range(c))
         + " |",
-        "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in range(c)) + " |",
     ]
+    zig = summary["zigzag"]
     for layout in LAYOUTS:
         s = summary[layout]
         lines.append(
-            f"| {layout} | {s['time'] * 1e3:.1f} | {s['time'] / summary['zigzag']['time']:.2f}x | "
-            f"{planned[layout]:g} | {planned[layout] / planned['zigzag']:.2f}x | "
+            f"| {layout} | {s['time'] * 1e3:.0f} | {s['time'] / zig['time']:.2f}x | "
+            f"{s['bound'] * 1e3:.0f} | {s['bound'] / zig['bound']:.2f}x | {planned[layout]:g} | "
+            f"{planned[layout] / planned['zigzag']:.2f}x | "
             + " | ".join(f"{x:.0%}" for x in s["idle"])
             + " |"
         )
@@ -146,8 +165,8 @@ def main() -> None:
         f"![Each rank's ring steps on one time axis, naive above zigzag]({svg.name})",
         "",
         "With the naive cut, rank 0's queries see only its own chunk, so it computes one "
-        f"block and waits while rank {c - 1} computes {c}; the zigzag cut gives every rank one "
-        "early and one late chunk, and every rank the same work at every step.",
+        f"block per pass and waits while rank {c - 1} computes {c}; the zigzag cut gives every "
+        "rank one early and one late chunk, and every rank the same work at every step.",
         "",
     ]
     args.out.write_text("\n".join(lines))

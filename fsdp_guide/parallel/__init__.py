@@ -37,9 +37,9 @@ from fsdp_guide.parallel._model import (
     ParallelConfig,
     ParallelTransformer,
 )
-from fsdp_guide.parallel._ring import record_ring_steps, ring_attention
+from fsdp_guide.parallel._ring import ring_attention
 from fsdp_guide.parallel._ring_layout import ring_schedule, shard_sequence
-from fsdp_guide.parallel._ring_plot import plot_ring_steps
+from fsdp_guide.parallel._ring_steps import plot_ring_steps, record_ring_steps
 from fsdp_guide.parallel._run import reference_losses, token_batch, train_2d
 
 __all__ = [

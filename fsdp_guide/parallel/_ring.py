@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,43 +42,11 @@ from fsdp_guide.parallel._ring_layout import (
     chunk_ids,
     share_of,
 )
+from fsdp_guide.parallel._ring_steps import record
 
 # Point-to-point tags: a K/V block and a gradient block can be in flight between the same
 # two ranks at once; the tags keep them apart.
 _KV_TAG, _GRAD_TAG = 0, 1
-
-
-# --- the events a benchmark or a lesson records -------------------------------------------
-
-_events: list[tuple[str, int, float, float, float]] | None = None
-
-
-@contextmanager
-def record_ring_steps() -> Iterator[list[tuple[str, int, float, float, float]]]:
-    """Record each ring step this process computes: ``(phase, step, start, end, share)``.
-
-    ``phase`` is ``"forward"`` or ``"backward"``, ``start`` and ``end`` are
-    :func:`time.perf_counter` seconds around the step's attention compute, ``share`` is the
-    part of a full block computed (0 when the step only passes a block on).
-
-    Examples:
-        >>> q = k = v = torch.randn(1, 1, 4, 2)
-        >>> with record_ring_steps() as events:
-        ...     _ = ring_attention(q, k, v, causal=True)
-        >>> [(phase, step, share) for phase, step, _, _, share in events]
-        [('forward', 0, 1.0)]
-    """
-    global _events
-    previous, _events = _events, []
-    try:
-        yield _events
-    finally:
-        _events = previous
-
-
-def _record(phase: str, step: int, start: float, share: float) -> None:
-    if _events is not None:
-        _events.append((phase, step, start, time.perf_counter(), share))
 
 
 # --- one block of attention, forward and backward -----------------------------------------
@@ -232,11 +198,11 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.size - 1:  # pass the block on while computing with it
                 incoming, pending = ring.shift(kv, _KV_TAG)
             block = _plan_block(ring, step, seq, causal)
-            start = time.perf_counter()
+            started = (time.perf_counter(), time.thread_time())
             if not block.work.empty:
                 part, part_lse = _block_forward(q, kv[0], kv[1], block, scale)
                 _merge(out, lse, part, part_lse, _row_slice(block.work.rows, block.chunks, seq))
-            _record("forward", step, start, share_of(block.work, block.chunks))
+            record("forward", step, started, share_of(block.work, block.chunks))
             if pending:
                 _wait(pending)
                 kv = incoming
@@ -264,10 +230,10 @@ class _RingAttention(torch.autograd.Function):
                 incoming, kv_pending = ring.shift(kv, _KV_TAG)
             block = _plan_block(ring, step, seq, causal)
             part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            start = time.perf_counter()
+            started = (time.perf_counter(), time.thread_time())
             if not block.work.empty:
                 _block_backward(q, kv, grad_out, lse, delta, block, scale, dq, part)
-            _record("backward", step, start, share_of(block.work, block.chunks))
+            record("backward", step, started, share_of(block.work, block.chunks))
             if step == 0:
                 own = part  # the rank's own block: its gradient stays here
             else:

@@ -56,7 +56,7 @@ def ring_case(rank: int, ranks: int, causal: bool, layout: str) -> dict[str, Any
         "errors": errors,
         "sent": counter.stats.elements_by_kind(),
         "saved": saved,
-        "shares": [share for phase, _, _, _, share in events if phase == "forward"],
+        "shares": [step.share for step in events if step.phase == "forward"],
     }
 
 
