@@ -92,8 +92,10 @@ class ExpertParallelMoE(nn.Module):
 
     Args:
         block: A block with a router ``gate`` (returning ``(logits, weights, experts)``
-            per token) and grouped ``experts`` (``gate_up_proj``, ``down_proj``, ``act_fn``,
-            ``num_experts``): Mixtral's ``MixtralSparseMoeBlock``, Qwen-MoE's.
+            per token, its ``top_k`` on the block or the router) and grouped ``experts``
+            (``gate_up_proj``, ``down_proj``, ``act_fn``, ``num_experts``), and optionally a
+            ``shared_expert`` with its ``shared_expert_gate``, replicated: Mixtral's
+            ``MixtralSparseMoeBlock``, Qwen-MoE's ``Qwen2MoeSparseMoeBlock``.
         group: The expert-parallel ranks (the default group if ``None``; one rank holds
             every expert without a process group).
         capacity_factor: Copies each rank may send each expert, as a multiple of an even
@@ -132,9 +134,13 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"capacity_factor must be > 0 or None, got {capacity_factor!r}")
         self.ranks, self.local = ranks, self.num_experts // ranks
         self.first = rank * self.local  # the rank's experts: first, first + 1, ...
-        self.top_k: int = int(getattr(block, "top_k"))  # noqa: B009 (an int, not a module)
-        self.capacity_factor = capacity_factor
         self.gate: nn.Module = getattr(block, "gate")  # noqa: B009 (the router, replicated)
+        top_k = getattr(block, "top_k", None) or getattr(self.gate, "top_k", None)
+        self.top_k = int(top_k)  # type: ignore[arg-type]
+        self.capacity_factor = capacity_factor
+        # Qwen-MoE's shared expert sees every token: a dense MLP, replicated like the router.
+        self.shared_expert: nn.Module | None = getattr(block, "shared_expert", None)
+        self.shared_expert_gate: nn.Module | None = getattr(block, "shared_expert_gate", None)
         mine = slice(self.first, self.first + self.local)
         self.experts = LocalExperts(
             experts.gate_up_proj.detach()[mine].clone(),
@@ -161,6 +167,9 @@ class ExpertParallelMoE(nn.Module):
         out = self._dispatch_compute_combine(routed, sent, received)
         weighted = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         combined = torch.zeros_like(x).index_add(0, order // self.top_k, weighted.to(x.dtype))
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = self.shared_expert(x)
+            combined = combined + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return combined.reshape(shape)
 
     def _sort_and_cap(self, flat: Tensor, tokens: int) -> tuple[Tensor, Tensor, int | None, int]:

@@ -208,3 +208,25 @@ def test_estimate_refuses_experts_that_do_not_divide(capsys: pytest.CaptureFixtu
     assert main(["estimate", *argv, "--expert-parallel", "3", "--world-size", "6"]) == 2
     err = capsys.readouterr().err.strip()
     assert "8 experts, not divisible by expert_parallel=3" in err and "\n" not in err
+
+
+def test_a_qwen_moe_block_with_its_shared_expert_is_computed_alike() -> None:
+    # Qwen-MoE: the router holds top_k, and a shared expert (gated) sees every token.
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    config = transformers.Qwen2MoeConfig(
+        hidden_size=16,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    block = Qwen2MoeSparseMoeBlock(config)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 5, 16)
+    moe = ExpertParallelMoE(block)  # one process: every expert
+    assert moe.shared_expert is block.shared_expert
+    assert torch.allclose(moe(x), block(x), atol=TOLERANCE)
