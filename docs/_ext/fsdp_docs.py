@@ -34,6 +34,8 @@ LESSON_NAME = re.compile(r"^\d+_[A-Za-z0-9_]+\.ipynb$")
 # Guide pages pull a measured table in with ``{include} /_generated/results/NAME.md``
 # (a leading ``/`` means the docs folder).
 RESULT_INCLUDE = re.compile(r"_generated/results/([A-Za-z0-9_]+)\.md")
+# A result's figure, linked beside its table: ``![what it shows](name.svg)``.
+RESULT_FIGURE = re.compile(r"\]\(([A-Za-z0-9_]+\.svg)\)")
 
 
 def write_if_changed(path: Path, text: str) -> bool:
@@ -135,6 +137,9 @@ def generate_result_pages(results_dir: Path, generated_dir: Path, docs_dir: Path
             # title, or the reader sees the same heading twice.
             title, text = _split_title((results_dir / f"{name}.md").read_text(encoding="utf-8"))
             titles[name] = title or f"`{name}`"
+            # A figure beside the table (``![...](name.svg)``, as the repository shows it)
+            # is found from the docs folder, wherever the page including it sits.
+            text = RESULT_FIGURE.sub(r"](/_generated/results/\1)", text)
         else:
             text = (
                 "```{note}\n"
@@ -150,8 +155,7 @@ def generate_result_pages(results_dir: Path, generated_dir: Path, docs_dir: Path
         body = "\n".join(
             f"## {titles[name]}\n\nWritten by `benchmarks/{name}.py` to "
             f"`benchmarks/results/{name}.md`.\n\n"
-            f"```{{include}} /_generated/results/{name}.md\n:heading-offset: 1\n"
-            ":relative-images:\n```\n"
+            f"```{{include}} /_generated/results/{name}.md\n:heading-offset: 1\n```\n"
             for name in committed
         )
     else:

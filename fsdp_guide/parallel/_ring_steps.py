@@ -30,11 +30,15 @@ class RingStep(NamedTuple):
     cpu: float
 
 
-_steps: list[RingStep] | None = None
+#: What :func:`record_ring_steps` yields each step as, to a type checker: a :class:`RingStep`
+#: is this tuple, its fields named.
+Step = tuple[str, int, float, float, float, float]
+
+_steps: list[Step] | None = None
 
 
 @contextmanager
-def record_ring_steps() -> Iterator[list[RingStep]]:
+def record_ring_steps() -> Iterator[list[Step]]:
     """Record each ring step this process computes while the block runs, in order.
 
     Each is a named tuple ``(phase, step, start, end, share, cpu)``: ``"forward"`` or
@@ -72,12 +76,12 @@ def record(phase: str, step: int, started: tuple[float, float], share: float) ->
 _COLORS = {"forward": "#56B4E9", "backward": "#E69F00", "idle": "#BBBBBB"}
 
 
-def _span(ranks: Sequence[Sequence[RingStep]]) -> tuple[float, float]:
+def _span(ranks: Sequence[Sequence[Step]]) -> tuple[float, float]:
     """(first start, last end) over every rank's steps."""
     return min(e[2] for r in ranks for e in r), max(e[3] for r in ranks for e in r)
 
 
-def idle_shares(ranks: Sequence[Sequence[RingStep]]) -> list[float]:
+def idle_shares(ranks: Sequence[Sequence[Step]]) -> list[float]:
     """Each rank's share of the call spent waiting: from the ranks' first start to the last
     rank's end, the time it computed nothing.
 
@@ -90,7 +94,7 @@ def idle_shares(ranks: Sequence[Sequence[RingStep]]) -> list[float]:
     return [1 - sum(e[3] - e[2] for e in events) / (end - start) for events in ranks]
 
 
-def plot_ring_steps(calls: Mapping[str, Sequence[Sequence[RingStep]]], width: float = 6.0) -> Any:
+def plot_ring_steps(calls: Mapping[str, Sequence[Sequence[Step]]], width: float = 6.0) -> Any:
     """A figure of recorded ring calls: for each label, a row per rank, each ring step's
     compute as a bar (forward, then backward) and the rest of the call, idle, in grey; each
     row says the rank's idle share.
