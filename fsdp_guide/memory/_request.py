@@ -197,6 +197,8 @@ def resolve(
     ep, routing = check_expert_parallel(
         expert_parallel, expert_routing, model, engine, world_size // tp, activations
     )
+    if ep > 1 and tp > 1:
+        raise PlanError("expert_parallel with tensor_parallel > 1 is not planned: pick one")
     return PlanRequest(
         model=model,
         strategy=name,

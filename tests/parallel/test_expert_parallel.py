@@ -181,6 +181,7 @@ def test_a_balancing_loss_evens_a_skewed_router() -> None:
         ({"expert_parallel": 2, "expert_routing": [[1, 2, 3, 4]]}, "2 rows"),
         ({"expert_parallel": 2, "expert_routing": [[[1] * 4] * 2] * 3}, "3 layers' routings"),
         ({"expert_routing": [[1] * 4] * 2}, "pass both"),
+        ({"expert_parallel": 2, "world_size": 4, "tensor_parallel": 2}, "not planned: pick one"),
     ],
 )
 def test_bad_expert_parallel_is_refused(kwargs: dict[str, Any], message: str) -> None:
