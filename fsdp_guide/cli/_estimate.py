@@ -184,6 +184,33 @@ def add_parser(sub: Any) -> None:
         "1F1B, default 2 for the others",
     )
     p.add_argument(
+        "--context-parallel",
+        type=int_at_least(1),
+        default=1,
+        metavar="C",
+        help="with --model or --hf: ranks per context-parallel group; each computes 1/C of "
+        "every sequence and its attention passes K/V blocks round a ring (ring attention); "
+        "--batch-size is then per group; default 1",
+    )
+    p.add_argument(
+        "--cp-layout",
+        choices=("zigzag", "naive"),
+        default="zigzag",
+        help="with --context-parallel: cut each sequence into 2C chunks, rank r taking chunks "
+        "r and 2C-1-r (zigzag, balanced causal work; the sequence must divide by 2C), or into "
+        "C consecutive chunks (naive); default zigzag",
+    )
+    p.add_argument(
+        "--expert-parallel",
+        type=int_at_least(1),
+        default=1,
+        metavar="E",
+        help="with --model or --hf and a mixture of experts: ranks per expert-parallel group; "
+        "each keeps 1/E of every layer's experts (sharded by fsdp2 over the ranks holding the "
+        "same ones) and all-to-alls route the tokens, planned for a balanced router; needs "
+        "--activations; default 1",
+    )
+    p.add_argument(
         "--activations",
         type=positive_size,
         default=None,
@@ -311,6 +338,14 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.pipeline_parallel > 1 and args.precision != "fp32":
         raise CommandError("--pipeline-parallel is planned in fp32: add --precision fp32")
+    if args.model is None and args.hf is None:
+        for flag, value in (("--context-parallel", args.context_parallel),
+                            ("--expert-parallel", args.expert_parallel)):  # fmt: skip
+            if value > 1:
+                raise CommandError(
+                    f"{flag} needs a real model (--model package.module:builder or --hf TYPE): "
+                    "what it cuts is the model's sequence or experts, which --params does not have"
+                )
     if args.sequence_parallel and args.tensor_parallel == 1:
         raise CommandError(
             "--sequence-parallel cuts the sequence over the tensor-parallel ranks: pass "

@@ -197,7 +197,8 @@ def run_model(args: argparse.Namespace) -> int:
 
     tp = getattr(args, "tensor_parallel", 1)
     pp = getattr(args, "pipeline_parallel", 1)
-    names = args.strategy or (["fsdp2"] if tp > 1 or pp > 1 else list(STRATEGIES))
+    cp, ep = getattr(args, "context_parallel", 1), getattr(args, "expert_parallel", 1)
+    names = args.strategy or (["fsdp2"] if tp > 1 or pp > 1 or ep > 1 else list(STRATEGIES))
     plans: list[Plan] = []
     with_units = [name for name in names if follows_units(engine_for(name))]
     if args.wrap is not None and not with_units:
@@ -221,11 +222,11 @@ def run_model(args: argparse.Namespace) -> int:
             batch = example_batch(model, args.input or ())
             seq_len = args.seq_len or (default_seq_len(model) if batch.uses_seq_len else 1)
             # One trace serves every strategy that runs bf16 the same way (autocast, or cast
-            # parameters; in fp32 all are alike); with tensor parallelism, plan() traces the
-            # model as one rank cuts it.
+            # parameters; in fp32 all are alike); with tensor or context parallelism, plan()
+            # traces the model as one rank cuts it.
             traces: dict[str, int] = {}
             measured = getattr(args, "activations", None)  # stated: no trace
-            for name in names if tp == 1 and pp == 1 and measured is None else []:
+            for name in names if tp == pp == cp == ep == 1 and measured is None else []:
                 kind = _bf16_kind(name, args.precision)
                 if kind not in traces:
                     traces[kind] = traced_activation_bytes(
@@ -251,6 +252,9 @@ def run_model(args: argparse.Namespace) -> int:
                     activations=measured or traces.get(_bf16_kind(name, args.precision)),
                     tensor_parallel=tp,
                     sequence_parallel=getattr(args, "sequence_parallel", False),
+                    context_parallel=cp,
+                    cp_layout=getattr(args, "cp_layout", "zigzag"),
+                    expert_parallel=ep,
                     batch=batch.build,
                     **_pipeline_options(args),
                     policy=policy,

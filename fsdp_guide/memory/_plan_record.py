@@ -57,6 +57,13 @@ class Plan:
             whose total is the largest.
         pipeline: The stages, the schedule and each pipeline rank's plan; ``None`` without
             a pipeline.
+        context_parallel: Ranks of each context-parallel group (1: none); the activations
+            and the ring's messages are then those of a rank computing ``seq_len / c``
+            tokens.
+        expert_parallel: Ranks of each expert-parallel group (1: none).
+        all_to_all: With expert parallelism, each rank of an expert-parallel group's
+            all-to-all payload elements per step, ``all_to_all[r]`` for its ``r``-th rank
+            (``communication`` holds the largest); empty otherwise.
     """
 
     strategy: str
@@ -81,6 +88,9 @@ class Plan:
     kept_params: int = 0
     pipeline_parallel: int = 1
     pipeline: PipelinePlan | None = None
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    all_to_all: tuple[int, ...] = ()
 
     @property
     def fullest_rank(self) -> int:
@@ -162,4 +172,6 @@ class Plan:
             "units": self.units,
             "sequence_parallel": self.sequence_parallel,
             "kept_params": self.kept_params,
+            "context_parallel": self.context_parallel,
+            "expert_parallel": self.expert_parallel,
         }

@@ -543,6 +543,21 @@ def test_results_are_mirrored_and_missing_ones_get_a_placeholder(tmp_path: Path)
     assert "/_generated/results/measured.md" in gathered and "pending_one" not in gathered
 
 
+def test_a_results_figure_travels_with_its_table(tmp_path: Path) -> None:
+    # A figure beside a table, linked as the repository shows it, is found on the site too.
+    docs, results, generated = tmp_path / "docs", tmp_path / "results", tmp_path / "generated"
+    docs.mkdir()
+    results.mkdir()
+    (results / "timed.md").write_text("# Timed\n\n| a |\n| --- |\n\n![two ranks](timed.svg)\n")
+    (results / "timed.svg").write_text("<svg/>")
+    _generator().generate_result_pages(results, generated, docs)
+    assert (generated / "results" / "timed.svg").read_text() == "<svg/>"
+    assert (
+        "![two ranks](/_generated/results/timed.svg)"
+        in (generated / "results" / "timed.md").read_text()
+    )
+
+
 def test_api_pages_follow_each_facades_all_without_docs_edits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -207,6 +207,8 @@ def test_p2p_bytes_are_the_boundary_per_microbatch_each_way() -> None:
         ({"schedule": "Interleaved1F1B", "stages_per_rank": 1}, "stages_per_rank must be >= 2"),
         ({"pipeline_parallel": 1, "microbatches": 2}, "microbatches need pipeline_parallel > 1"),
         ({"pipeline_parallel": 0}, "pipeline_parallel must be an int >= 1"),
+        # Planned apart, never together yet: refused rather than half-planned.
+        ({"world_size": 4, "context_parallel": 2}, "with context_parallel or expert_parallel"),
     ],
 )
 def test_a_bad_pipeline_request_is_a_plan_error(kwargs: dict[str, Any], message: str) -> None:
