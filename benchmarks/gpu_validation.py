@@ -99,6 +99,8 @@ def run_command(name: str, command: str, seconds: float, log: Path) -> Result:
             command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=seconds
         )
         output, ok = done.stdout + done.stderr, done.returncode == 0
+        if not ok:
+            output += f"\nexit code {done.returncode}"
     except subprocess.TimeoutExpired as stopped:
         partial = stopped.stdout or b""
         text = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
