@@ -173,6 +173,19 @@ def _bf16_kind(strategy: str, precision: str) -> Literal["params", "autocast"]:
     return "params" if mixed else "autocast"
 
 
+def _pipeline_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``plan()``'s pipeline keywords from the command line (none without a pipeline)."""
+    pp = getattr(args, "pipeline_parallel", 1)
+    if pp == 1:
+        return {}
+    return {
+        "pipeline_parallel": pp,
+        "microbatches": args.microbatches,
+        "schedule": args.schedule,
+        "stages_per_rank": args.stages_per_rank,
+    }
+
+
 def run_model(args: argparse.Namespace) -> int:
     """Plan ``args.model`` for each strategy; print a table (or JSON) and a recommendation."""
     from fsdp_guide.catalog import STRATEGIES
@@ -183,7 +196,9 @@ def run_model(args: argparse.Namespace) -> int:
     from fsdp_guide.models import MLP
 
     tp = getattr(args, "tensor_parallel", 1)
-    names = args.strategy or (["fsdp2"] if tp > 1 else list(STRATEGIES))
+    pp = getattr(args, "pipeline_parallel", 1)
+    cp, ep = getattr(args, "context_parallel", 1), getattr(args, "expert_parallel", 1)
+    names = args.strategy or (["fsdp2"] if tp > 1 or pp > 1 or ep > 1 else list(STRATEGIES))
     with_units = [name for name in names if follows_units(engine_for(name))]
     if args.wrap is not None and not with_units:
         raise CommandError(
@@ -220,11 +235,15 @@ def run_model(args: argparse.Namespace) -> int:
                     activations=measured,
                     tensor_parallel=tp,
                     sequence_parallel=getattr(args, "sequence_parallel", False),
+                    context_parallel=cp,
+                    cp_layout=getattr(args, "cp_layout", "zigzag"),
+                    expert_parallel=ep,
                     batch=batch.build,
+                    **_pipeline_options(args),
                     policy=policy,
                     gpus_per_node=getattr(args, "gpus_per_node", None),
                     reduce_dtype=getattr(args, "reduce_dtype", None),
-                    grad_accum=getattr(args, "grad_accum", 1),
+                    grad_accumulation=getattr(args, "grad_accum", 1),
                 )
 
             # The model's forward and backward run once per way of running bf16 (autocast,
@@ -268,7 +287,6 @@ def run_model(args: argparse.Namespace) -> int:
                     row["fits"] = p.fits(args.gpu_memory, args.margin, rank=rank, host_memory=host)
                 if p.strategy in largest:
                     row["max_batch"] = largest[p.strategy]
-                row["recipe"] = recipe_for(p.strategy) or ""
                 rows.append(row)
         print(json.dumps(rows, indent=1))
         print(used, file=sys.stderr)  # stdout stays one JSON document
@@ -276,27 +294,6 @@ def run_model(args: argparse.Namespace) -> int:
     print(plan_table(plans, args.gpu_memory, args.margin, host, largest))
     print(used)
     return 0
-
-
-#: The fine-tuning recipe of each engine the guide has one for.
-RECIPES = {
-    "fsdp2": "examples/recipes/fsdp2_finetune.py",
-    "deepspeed": "examples/recipes/deepspeed_zero3_finetune.py",
-    "ddp": "examples/recipes/ddp_finetune.py",
-    "zero1": "examples/recipes/ddp_finetune.py",
-}
-
-
-def recipe_for(strategy: str) -> str | None:
-    """The guide's fine-tuning recipe for ``strategy``'s engine, or ``None``.
-
-    Examples:
-        >>> recipe_for("fsdp2_hybrid"), recipe_for("zero3"), recipe_for("fsdp")
-        ('examples/recipes/fsdp2_finetune.py', 'examples/recipes/deepspeed_zero3_finetune.py', None)
-    """
-    from fsdp_guide.catalog import get_strategy
-
-    return RECIPES.get(get_strategy(strategy).engine)
 
 
 def largest_batch(
@@ -374,8 +371,9 @@ def plan_table(
     host memory; ``payload`` and ``wire`` the communication per optimizer step. The
     recommendation (:func:`~fsdp_guide.memory.recommend`) is the strategy whose peak fits
     (within ``gpu_memory`` less the margin) on the best-maintained engine (FSDP2 before
-    FSDP1, both before FairScale), with the fewest bytes on the wire, then the least memory,
-    and the guide's recipe for it.
+    FSDP1, both before FairScale), with the fewest bytes on the wire, then the least memory;
+    under it, the fine-tuning recipe of the repository's ``examples/recipes`` that trains
+    that way.
 
     Examples:
         >>> from fsdp_guide.memory import plan
@@ -393,6 +391,7 @@ def plan_table(
         recipe: examples/recipes/fsdp2_finetune.py
     """
     from fsdp_guide.cli._estimate import readable
+    from fsdp_guide.cli._recipe import recipe_for
     from fsdp_guide.compare import text_table
     from fsdp_guide.memory import format_bytes, recommend
 
@@ -430,9 +429,7 @@ def plan_table(
                 f"recommended: {best.strategy} (its step's peak fits {size} with {margin:.0%} "
                 "margin; maintained engines first, then the fewest bytes on the wire)"
             )
-            recipe = recipe_for(best.strategy)
-            if recipe:
-                out.append(f"recipe: {recipe}")
+            out.append(f"recipe: {recipe_for(best.strategy)}")
         else:
             out.append(f"recommended: none fits {size} with {margin:.0%} margin; add GPUs")
     return "\n".join(out)

@@ -22,33 +22,18 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
-from fsdp_guide.comm import CommPrediction, predict_communication
-from fsdp_guide.engines import (
-    ModelShape,
-    StepSizes,
-    Transient,
-    UnitPolicy,
-    UnitRule,
-    follows_units,
-    model_shape,
-    module_calls,
-    unit_names,
-    unit_summary,
-)
-from fsdp_guide.errors import PlanError
+from fsdp_guide.engines import UnitPolicy, UnitRule, model_shape
+from fsdp_guide.memory import _plan_steps as steps
 from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
-from fsdp_guide.memory._predict import host_per_rank, state_per_rank
-from fsdp_guide.memory._profile import ActivationProfile, remembered, traced_profile
+from fsdp_guide.memory._plan_steps import unit_sizes
+from fsdp_guide.memory._pp import combine, stage_requests
 from fsdp_guide.memory._request import PlanRequest, resolve
-from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._trace import BatchBuilder, Checkpointing, ModelSource
 from fsdp_guide.memory._zero import OptimizerName, Precision
 
@@ -66,12 +51,7 @@ def unit_params(model: nn.Module, policy: UnitRule | UnitPolicy = "blocks") -> t
         >>> unit_params(model), unit_params(model, "root")
         ((17472, 17472), (42880, 42880))
     """
-    return _unit_sizes(model_shape(model, policy))
-
-
-def _unit_sizes(shape: ModelShape) -> tuple[int, int]:
-    sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
-    return max(sizes), sizes[0]
+    return unit_sizes(model_shape(model, policy))
 
 
 def plan(
@@ -95,7 +75,15 @@ def plan(
     foreach: bool = True,
     gpus_per_node: int | None = None,
     reduce_dtype: str | None = None,
-    grad_accum: int = 1,
+    grad_accumulation: int = 1,
+    pipeline_parallel: int = 1,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    stages_per_rank: int | None = None,
+    context_parallel: int = 1,
+    cp_layout: str = "zigzag",
+    expert_parallel: int = 1,
+    expert_routing: Sequence[Sequence[Any]] | None = None,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -151,10 +139,50 @@ def plan(
             ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``, for every engine alike) or
             ``"bf16"`` (DeepSpeed's own default, its ``communication_data_type``, and FSDP's
             when ``reduce_dtype`` is not set). Autocast's gradients are fp32 whatever is asked.
-        grad_accum: Micro-batches of ``batch_size`` per optimizer step: the gradients of
+        grad_accumulation: Micro-batches of ``batch_size`` per optimizer step: the gradients of
             the first stay held through the others, and an engine that reduces every
             micro-batch (FSDP, DeepSpeed ZeRO-2/3) sends its collectives each time (DDP and
             ZeRO-1 under ``no_sync`` once per step).
+        pipeline_parallel: Pipeline ranks, ``p``: the ranks form a ``(p, dp, tp)`` mesh and
+            the model, an ``nn.Sequential`` of layers (or a model whose ``pipeline_layers()``
+            returns one), is cut into ``p · v`` contiguous stages (equal numbers of layers,
+            the larger stages last), each rank holding its schedule's. ``batch_size`` is then
+            the batch of one pipeline (per data-parallel group), split into micro-batches.
+            Planned in fp32 with ``"fsdp2"`` over the data-parallel ranks (run, as torchtitan
+            does, with ``reshard_after_forward=False``), or ``"ddp"``/``"fsdp2"`` when there
+            is one data-parallel rank (no engine then). :attr:`Plan.pipeline` holds the
+            stages, the schedule and each pipeline rank's plan.
+        microbatches: Micro-batches per step, ``m`` (default ``p``); must divide
+            ``batch_size``.
+        schedule: ``"GPipe"``, ``"1F1B"`` (default), ``"Interleaved1F1B"``,
+            ``"InterleavedZeroBubble"`` or ``"ZBVZeroBubble"``, torch's schedules
+            (:func:`fsdp_guide.memory.pipeline_schedule`). The activations are the schedule's
+            peak: the micro-batches in flight on the rank's stages after the forward that
+            holds the most. With a split backward (the zero-bubble schedules) a micro-batch
+            counts until its weights' gradient; the input's half frees part of it earlier, so
+            there the figure is an upper bound.
+        stages_per_rank: Stages each pipeline rank holds, ``v``: 1 for GPipe and 1F1B, 2 by
+            default for the others.
+        context_parallel: Ranks per context-parallel group, ``c``: each computes
+            ``seq_len / c`` tokens of every sample and its attention is a ring
+            (:func:`fsdp_guide.parallel.ring_attention`). The groups are taken from the
+            data-parallel ranks, which the strategy still shards over (the ranks of a group
+            hold the same weights); ``batch_size`` is then per context-parallel group. Adds
+            the ring's ``send`` and ``recv`` per step.
+        cp_layout: How the sequence is cut over a context-parallel group: ``"zigzag"``
+            (chunks ``r`` and ``2c - 1 - r`` of ``2c``, balanced causal work) or ``"naive"``.
+        expert_parallel: Ranks per expert-parallel group, ``e``, within the data-parallel
+            ranks (``"fsdp2"`` only): each keeps ``E / e`` experts of every
+            mixture-of-experts layer, laid out over the ``dp / e`` ranks holding the same
+            ones, while the dense layers are sharded over all ``dp``; adds the all-to-alls
+            that route the tokens. Needs ``activations=`` (what a rank's experts compute
+            depends on the routing).
+        expert_routing: Tokens each rank of an expert-parallel group sends each expert,
+            ``[rank][expert]`` for every mixture-of-experts layer alike, or
+            ``[layer][rank][expert]``; ``None`` plans a balanced router
+            (each rank receives as many token copies as it sends). With a routing,
+            :attr:`Plan.all_to_all` gives each rank's payload and the communication is the
+            busiest rank's.
 
     Returns:
         A :class:`Plan`.
@@ -164,7 +192,9 @@ def plan(
             builder, CPU offload with a strategy that does not shard parameters; a
             tensor-parallel degree that does not divide the ranks or the cut layers, with a
             strategy other than ``"fsdp2"``, or without a plan; ``sequence_parallel``
-            without tensor parallelism or with a ``seq_len`` that does not divide by it.
+            without tensor parallelism or with a ``seq_len`` that does not divide by it; a
+            world that is not ``pp x dp x tp`` ranks, more stages than layers, micro-batches
+            that do not divide the batch, or a pipeline with what it is not planned with.
 
     Examples:
         >>> from fsdp_guide.memory import predict_model_state
@@ -206,234 +236,36 @@ def plan(
         foreach=foreach,
         gpus_per_node=gpus_per_node,
         reduce_dtype=reduce_dtype,
-        grad_accum=grad_accum,
+        grad_accumulation=grad_accumulation,
+        pipeline_parallel=pipeline_parallel,
+        microbatches=microbatches,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
+        context_parallel=context_parallel,
+        cp_layout=cp_layout,
+        expert_parallel=expert_parallel,
+        expert_routing=expert_routing,
     )
+    if request.pipeline_parallel > 1:
+        return _pipeline(request)
+    return _plan_request(request)[0]
+
+
+def _plan_request(request: PlanRequest) -> tuple[Plan, RankModel]:
+    """The plan of one request, and the model its rank computes."""
     rank = rank_model(request)
-    shape, units = _units(request, rank)
-    ranks, hosts, exact = _model_state(request, shape)
-    profile = _activations(request, rank)
-    communication = _communication(request, rank, shape)
-    sizes = _step_sizes(request, rank, shape, profile, ranks)
-    return _assemble(request, units, ranks, hosts, exact, sizes, communication)
-
-
-def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
-    """The rank's model cut into units by the request's policy, and that cut in words for
-    an engine whose figures follow it."""
-    try:
-        names = unit_names(rank.model, request.policy)
-        shape = model_shape(rank.model, request.policy)
-    except ValueError as exc:
-        raise PlanError(str(exc)) from exc
-    if not follows_units(request.engine):
-        return shape, ""
-    return shape, unit_summary(rank.model, names, request.policy)
-
-
-def _model_state(
-    request: PlanRequest, shape: ModelShape
-) -> tuple[tuple[ModelState, ...], tuple[ModelState, ...], bool]:
-    """Each rank's state after the optimizer step, the part of it in host memory, and
-    whether it is the engine's to the byte.
-
-    The engine lays the state out over the data-parallel ranks; the mesh is row-major, so
-    the ``tensor_parallel`` ranks of a group share their data-parallel rank's layout.
-    """
-    engine, dp, tp = request.engine, request.data_parallel, request.tensor_parallel
-    by_dp, exact = state_per_rank(engine, shape, dp, request.precision, request.optimizer)
-    on_host = host_per_rank(engine, shape, dp, request.precision, request.optimizer)
-    world = range(request.world_size)
-    return tuple(by_dp[r // tp] for r in world), tuple(on_host[r // tp] for r in world), exact
-
-
-def _activations(request: PlanRequest, rank: RankModel) -> ActivationProfile | int:
-    """What the rank's activations hold over the step, traced on fake tensors (once per
-    way of running the model: every strategy that runs it alike shares the trace); or the
-    bytes saved for backward the caller gave."""
-    if request.activations is not None:
-        return request.activations
-    policy = request.policy
-    key = (
-        request.batch_size,
-        request.seq_len,
-        request.precision,
-        request.mixed_kind,
-        request.checkpointing,
-        request.batch,
-        policy if isinstance(policy, str) else repr(policy),
-        request.tensor_parallel,
-        request.sequence_parallel,
-        None if request.tp_plan is None else tuple(sorted(request.tp_plan.items())),
-    )
-    return remembered(
-        request.source,
-        key,
-        lambda: traced_profile(
-            rank.model,
-            request.batch_size,
-            request.seq_len,
-            precision=request.precision,
-            activation_checkpointing=request.checkpointing,
-            batch=request.batch,
-            mixed="params" if request.mixed_kind == "params" else "autocast",
-            policy=policy,
-        ),
+    shape, units = steps.units(request, rank)
+    ranks, hosts, exact = steps.model_state(request, shape, rank)
+    profile = steps.activations(request, rank)
+    communication = steps.communication(request, rank, shape)
+    sizes = steps.step_sizes(request, rank, shape, profile, ranks)
+    return (
+        steps.assemble(request, units, ranks, hosts, exact, sizes, communication, rank.all_to_all),
+        rank,
     )
 
 
-def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> CommPrediction:
-    """The engine's collectives over the data-parallel ranks and those the cuts add, per
-    optimizer step: micro-batches times one micro-batch's for an engine that reduces each."""
-    predicted = predict_communication(
-        request.strategy,
-        shape.num_params,
-        request.data_parallel,
-        request.comm_dtype,
-        shape=shape,
-        reduce_dtype=request.reduce_dtype,
-        gpus_per_node=request.gpus_per_node,
-        engine=request.engine,
-    )
-    if request.engine.syncs_every_microbatch and request.grad_accum > 1:
-        times = request.grad_accum
-        predicted = replace(predicted, payload={k: n * times for k, n in predicted.payload.items()})
-    if not rank.payload:
-        return predicted
-    payload = dict(predicted.payload)
-    for kind, elements in rank.payload.items():
-        payload[kind] = payload.get(kind, 0) + elements
-    # A kind the engine issues keeps its group; one only the cuts issue takes theirs.
-    groups = {k: g for k, g in rank.groups.items() if k not in predicted.payload}
-    node = request.gpus_per_node
-    crossing = tuple(
-        k for k in payload if k in predicted.inter_node or (node and groups.get(k, 0) > node)
-    )
-    return replace(
-        predicted,
-        num_params=sum(p.numel() for p in request.model.parameters()),
-        world_size=request.world_size,
-        payload=payload,
-        group_sizes={**predicted.group_sizes, **groups},
-        inter_node=crossing,
-    )
-
-
-def _step_sizes(
-    request: PlanRequest,
-    rank: RankModel,
-    shape: ModelShape,
-    profile: ActivationProfile | int,
-    ranks: tuple[ModelState, ...],
-) -> StepSizes:
-    """The sizes the engine's step peak reads, in bytes: the model's, its activations over
-    the step (gradient elements made bytes at the engine's precision), and what the
-    optimizer step reads and allocates on the fullest rank."""
-    per = request.per_param
-    _, root = _unit_sizes(shape)
-    # The largest block: the root unit, kept gathered from forward to backward, apart.
-    sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
-    largest = max(sizes[1:], default=sizes[0])
-    engine = request.engine
-    state = max(ranks, key=lambda s: s.total)
-    traced = profile if isinstance(profile, ActivationProfile) else None
-    stretches = tuple(
-        replace(s, grads=per.grads * s.grads, largest_grad=per.grads * s.largest_grad)
-        for s in (traced.stretches if traced else ())
-    )
-    if request.optimizer != "adam":  # SGD's momentum updates in place
-        temporaries = 0
-    elif request.foreach:  # every stepped tensor's sqrt at once: 4 of Adam's 8 bytes
-        temporaries = state.optimizer // 2
-    else:  # a tensor's sqrt and quotient, the previous one's quotient still bound, fp32
-        tensors = engine.stepped_tensors(shape, request.data_parallel)
-        temporaries = 4 * max(
-            (2 * n + (tensors[i - 1] if i else 0) for i, n in enumerate(tensors)), default=0
-        )
-    return StepSizes(
-        params=per.params * shape.num_params,
-        grads=per.grads * shape.num_params,
-        largest_unit=per.params * largest,
-        largest_unit_grads=per.grads * largest,
-        root_unit=per.params * root,
-        activations=profile.saved if isinstance(profile, ActivationProfile) else profile,
-        calls=module_calls(rank.model),
-        blocks=len(shape.units) - 1,
-        forward=traced.forward if traced else (),
-        stretches=stretches,
-        # An optimizer stepping in host memory holds nothing more on the accelerator.
-        step_grads=0
-        if engine.steps_on_host
-        else sum(getattr(state, name) for name in engine.step_gradient_fields),
-        optimizer_temporaries=0 if engine.steps_on_host else temporaries,
-    )
-
-
-def _assemble(
-    request: PlanRequest,
-    units: str,
-    ranks: tuple[ModelState, ...],
-    hosts: tuple[ModelState, ...],
-    exact: bool,
-    sizes: StepSizes,
-    communication: CommPrediction,
-) -> Plan:
-    """The :class:`Plan`: the fullest rank's state, what each rank keeps between steps on
-    the accelerator, the engine's transient buffer and step peak."""
-    engine, dp = request.engine, request.data_parallel
-    num_params = sum(p.numel() for p in request.model.parameters())
-    local_params = sizes.params // request.per_param.params
-    largest = max(sizes.largest_unit, sizes.root_unit) // request.per_param.params  # root too
-    per = request.per_param
-    transient = engine.transient(
-        param_bytes=per.params, grad_bytes=per.grads, num_params=local_params, largest_unit=largest
-    )
-    gathered = engine.gathered(sizes, dp)
-    if gathered is not None:  # what the engine gathers, known from the modules' order
-        transient = Transient(bytes=gathered.peak, kind=gathered.kind)
-    state = max(ranks, key=lambda s: s.total)  # the first of the fullest
-
-    def kept(r: ModelState) -> ModelState:  # what zero_grad() leaves
-        return replace(
-            r,
-            grads=r.grads if engine.grads_between_steps else 0,
-            buckets=r.buckets if engine.buckets_between_steps else 0,
-        )
-
-    between = tuple(kept(r) for r in ranks)
-    on_device = tuple(
-        0 if request.cpu_offload else b.total - kept(h).total
-        for b, h in zip(between, hosts, strict=True)
-    )
-    peak = engine.step_peak(sizes, dp)
-    if request.grad_accum > 1 and not engine.grads_between_steps:
-        # From the second micro-batch on, the gradients so far are held through its step.
-        held = tuple(
-            0 if request.cpu_offload else r.grads - h.grads
-            for r, h in zip(ranks, hosts, strict=True)
-        )
-        on_device = tuple(k + g for k, g in zip(on_device, held, strict=True))
-    fullest = ranks.index(state)
-    return Plan(
-        strategy=request.strategy,
-        world_size=request.world_size,
-        num_params=num_params,
-        precision=request.precision,
-        state=state,
-        activations=sizes.activations,
-        transient=transient.bytes,
-        transient_kind=transient.kind,
-        communication=communication,
-        cpu_offload=request.cpu_offload,
-        ranks=ranks,
-        exact_state=exact,
-        between_steps=between,
-        step_peak=on_device[fullest] + peak.bytes,
-        step_peak_phase=peak.phase,
-        step_peak_kind=peak.kind,
-        tensor_parallel=request.tensor_parallel,
-        units=units,
-        sequence_parallel=request.sequence_parallel,
-        kept_params=0 if gathered is None else gathered.after_forward,
-        host_ranks=hosts,
-        rank_peaks=tuple(k + peak.bytes for k in on_device),
-    )
+def _pipeline(request: PlanRequest) -> Plan:
+    """A plan per pipeline rank (its stages, their engine), combined into one."""
+    subs = [_plan_request(r) for r in stage_requests(request)]
+    return combine(request, [p for p, _ in subs], [r.model for _, r in subs])

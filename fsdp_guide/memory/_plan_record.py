@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_guide.comm import CommPrediction
+from fsdp_guide.memory._pp_record import PipelinePlan
 from fsdp_guide.memory._state import ModelState
 
 
@@ -57,6 +58,18 @@ class Plan:
             offloads: DeepSpeed's ``offload_optimizer``, FSDP2's ``CPUOffloadPolicy``);
             the rest is on the accelerator. On a CPU run both are the process's memory.
         rank_peaks: :attr:`step_peak` of each rank, ``rank_peaks[r]`` for rank ``r``.
+        pipeline_parallel: Pipeline ranks (1: none); the ranks are then a ``(pp, dp, tp)``
+            mesh, ``ranks`` are every rank's and the other figures those of the pipeline rank
+            whose total is the largest.
+        pipeline: The stages, the schedule and each pipeline rank's plan; ``None`` without
+            a pipeline.
+        context_parallel: Ranks of each context-parallel group (1: none); the activations
+            and the ring's messages are then those of a rank computing ``seq_len / c``
+            tokens.
+        expert_parallel: Ranks of each expert-parallel group (1: none).
+        all_to_all: With expert parallelism, each rank of an expert-parallel group's
+            all-to-all payload elements per step, ``all_to_all[r]`` for its ``r``-th rank
+            (``communication`` holds the largest); empty otherwise.
     """
 
     strategy: str
@@ -81,10 +94,19 @@ class Plan:
     kept_params: int = 0
     host_ranks: tuple[ModelState, ...] = ()
     rank_peaks: tuple[int, ...] = ()
+    pipeline_parallel: int = 1
+    pipeline: PipelinePlan | None = None
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    all_to_all: tuple[int, ...] = ()
 
     @property
     def fullest_rank(self) -> int:
-        """The rank whose state is ``state`` (the lowest, when several hold as much)."""
+        """The rank whose state is ``state`` (the lowest, when several hold as much); with a
+        pipeline, the lowest rank whose total is the largest."""
+        if self.pipeline is not None:
+            totals = [self.rank_total(r) for r in range(self.world_size)]
+            return totals.index(max(totals))
         return self.ranks.index(self.state) if self.state in self.ranks else 0
 
     def host(self, rank: int | None = None) -> ModelState:
@@ -111,6 +133,8 @@ class Plan:
 
     def rank_total(self, rank: int) -> int:
         """:attr:`total` of ``rank``."""
+        if self.pipeline is not None:  # its stages' activations and buffers
+            return self.pipeline.plan_of(rank).rank_total(rank)
         state = self.ranks[rank].total - self.host(rank).total
         return state + self.activations + self.transient
 
@@ -170,6 +194,13 @@ class Plan:
             [260, 220]
         """
         index = self.fullest_rank if rank is None else rank
+        if self.pipeline is not None:
+            row = self.pipeline.plan_of(index).as_dict(index)
+            row["pipeline_rank"] = self.pipeline.pipeline_rank(index)
+            row["stages"] = ",".join(map(str, self.pipeline.stages_of(index)))
+            row["schedule"] = self.pipeline.schedule.name
+            row["microbatches"] = self.pipeline.schedule.microbatches
+            return {**row, "pipeline_parallel": self.pipeline_parallel}
         state = self.ranks[index] if self.ranks else self.state
         device, host = self.device(index), self.host(index)
         return {
@@ -198,4 +229,6 @@ class Plan:
             "units": self.units,
             "sequence_parallel": self.sequence_parallel,
             "kept_params": self.kept_params,
+            "context_parallel": self.context_parallel,
+            "expert_parallel": self.expert_parallel,
         }

@@ -22,6 +22,9 @@ from torch import nn
 from fsdp_guide.catalog import get_strategy
 from fsdp_guide.engines import Engine, UnitPolicy, UnitRule, engine_for
 from fsdp_guide.errors import PlanError
+from fsdp_guide.memory._cp import check_context_parallel
+from fsdp_guide.memory._ep import check_expert_parallel
+from fsdp_guide.memory._pp_checks import check_pipeline
 from fsdp_guide.memory._trace import BatchBuilder, Checkpointing, build_on_meta, check_sizes
 from fsdp_guide.memory._zero import BytesPerParam, OptimizerName, Precision, bytes_per_param
 
@@ -55,7 +58,20 @@ class PlanRequest:
         foreach: Whether the optimizer steps every tensor at once (torch's default on CUDA).
         gpus_per_node: GPUs of a node (``None``: not given); HSDP shards within a node.
         reduce_dtype: What the gradients' collectives carry: ``"fp32"`` or ``"bf16"``.
-        grad_accum: Micro-batches per optimizer step.
+        grad_accumulation: Micro-batches per optimizer step.
+        pipeline_parallel: Pipeline ranks (1: none); the mesh is ``(pp, dp, tp)``.
+        microbatches: Micro-batches per step of the pipeline.
+        schedule: The pipeline schedule, torch's name (``"1F1B"``).
+        stages_per_rank: Pipeline stages each pipeline rank holds.
+        pipeline_rank: The pipeline rank whose stages are planned.
+        context_parallel: Ranks per context-parallel group (1: none), within the
+            data-parallel ranks.
+        cp_layout: How the sequence is cut over them: ``"naive"`` or ``"zigzag"``.
+        expert_parallel: Ranks per expert-parallel group (1: none), within the
+            data-parallel ranks.
+        expert_routing: Tokens each rank of an expert-parallel group sends each expert of
+            each mixture-of-experts layer, ``[layer][rank][expert]``, or ``None`` for a
+            balanced router.
     """
 
     source: Any
@@ -78,7 +94,16 @@ class PlanRequest:
     foreach: bool
     gpus_per_node: int | None = None
     reduce_dtype: str = "fp32"
-    grad_accum: int = 1
+    grad_accumulation: int = 1
+    pipeline_parallel: int = 1
+    microbatches: int = 1
+    schedule: str = "1F1B"
+    stages_per_rank: int = 1
+    pipeline_rank: int = 0
+    context_parallel: int = 1
+    cp_layout: str = "zigzag"
+    expert_parallel: int = 1
+    expert_routing: tuple[tuple[tuple[int, ...], ...], ...] | None = None
 
     @property
     def autocast(self) -> bool:
@@ -103,8 +128,9 @@ class PlanRequest:
 
     @property
     def data_parallel(self) -> int:
-        """Ranks the strategy shards over: the world, less the tensor-parallel groups."""
-        return self.world_size // self.tensor_parallel
+        """Ranks the strategy shards over: the world, less the tensor- and pipeline-parallel
+        groups."""
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
 
 
 def _int_at_least(name: str, value: object, minimum: int) -> int:
@@ -153,7 +179,15 @@ def resolve(
     foreach: bool = True,
     gpus_per_node: int | None = None,
     reduce_dtype: str | None = None,
-    grad_accum: int = 1,
+    grad_accumulation: int = 1,
+    pipeline_parallel: int = 1,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    stages_per_rank: int | None = None,
+    context_parallel: int = 1,
+    cp_layout: str = "zigzag",
+    expert_parallel: int = 1,
+    expert_routing: Any = None,
 ) -> PlanRequest:
     """``plan()``'s keywords checked, in the order a caller's mistakes are best named.
 
@@ -195,10 +229,36 @@ def resolve(
     _check_sequence_parallel(sequence_parallel, tp, seq_len)
     if not isinstance(foreach, bool):
         raise PlanError(f"foreach must be True or False, got {foreach!r}")
-    _int_at_least("grad_accum", grad_accum, 1)
+    _int_at_least("grad_accumulation", grad_accumulation, 1)
     engine = _on_nodes(engine, world_size // tp, gpus_per_node)
     if optimizer == "adamw":  # Adam's moments and step; the weight decay keeps no state
         optimizer = "adam"
+    pipeline = check_pipeline(
+        model,
+        name=name,
+        settings=settings,
+        world_size=world_size,
+        tensor_parallel=tp,
+        batch_size=batch_size,
+        precision=precision,
+        sequence_parallel=sequence_parallel,
+        pipeline_parallel=pipeline_parallel,
+        microbatches=microbatches,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
+    )
+    cp = check_context_parallel(context_parallel, cp_layout, world_size // tp, seq_len)
+    if cp > 1 and sequence_parallel:
+        raise PlanError("sequence_parallel with context_parallel > 1 is not planned: pick one")
+    ep, routing = check_expert_parallel(
+        expert_parallel, expert_routing, model, engine, world_size // tp, activations
+    )
+    if ep > 1 and tp > 1:
+        raise PlanError("expert_parallel with tensor_parallel > 1 is not planned: pick one")
+    if pipeline.get("pipeline_parallel", 1) > 1 and (cp > 1 or ep > 1):
+        raise PlanError(
+            "pipeline_parallel with context_parallel or expert_parallel is not planned: pick one"
+        )
     return PlanRequest(
         source=model_or_builder,
         model=model,
@@ -220,7 +280,12 @@ def resolve(
         foreach=foreach,
         gpus_per_node=gpus_per_node,
         reduce_dtype=_reduce_dtype(engine, precision, reduce_dtype),
-        grad_accum=grad_accum,
+        grad_accumulation=grad_accumulation,
+        **pipeline,
+        context_parallel=cp,
+        cp_layout=cp_layout,
+        expert_parallel=ep,
+        expert_routing=routing,
     )
 
 

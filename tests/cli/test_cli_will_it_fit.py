@@ -182,7 +182,7 @@ def test_gradient_accumulation_holds_the_gradients_and_reduces_each_micro_batch(
 
     def planned(strategy: str, accum: int) -> Any:
         return plan(model, batch_size=4, seq_len=32, world_size=4, strategy=strategy,
-                    grad_accum=accum)  # fmt: skip
+                    grad_accumulation=accum)  # fmt: skip
 
     one, four = planned("fsdp2", 1), planned("fsdp2", 4)
     assert four.communication.payload_bytes == 4 * one.communication.payload_bytes
