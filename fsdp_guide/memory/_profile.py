@@ -309,6 +309,13 @@ def traced_profile(
             raise
         except RuntimeError as exc:
             raise PlanError(_cannot_trace(traced, exc)) from exc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # The model refused the example batch (a missing or unexpected input).
+            raise PlanError(
+                f"cannot trace the forward pass of {type(model).__name__} on the example batch: "
+                f"{type(exc).__name__}: {exc}; state its inputs with --input name:dtype[dims] "
+                "(Python: batch=)"
+            ) from exc
         grads = {
             serial: p.grad.element_size()
             for p in params
