@@ -44,7 +44,7 @@ class DDPSpawnShardedStrategy(DDPShardedStrategy):
         timeout: Timeout of the process group's collectives.
         start_method: ``"spawn"``; ``"fork"`` and ``"forkserver"`` are accepted too, as
             Lightning's own spawn launcher accepts them.
-        find_unused_parameters: Only ``False`` (see
+        find_unused_parameters: ``None`` or ``False`` (see
             :class:`~fsdp_guide.strategies.DDPShardedStrategy`).
         **kwargs: Passed to FairScale's ``ShardedDataParallel``.
 
@@ -69,7 +69,7 @@ class DDPSpawnShardedStrategy(DDPShardedStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "spawn",
-        find_unused_parameters: bool = False,
+        find_unused_parameters: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if start_method == "popen":
