@@ -170,7 +170,7 @@ def _small_fakes(out: Any) -> bool:
     leaves = pytree.tree_leaves(out)
     if not leaves or not all(isinstance(t, FakeTensor) for t in leaves):
         return False
-    return sum(t.numel() for t in leaves) <= REAL_BATCH_ELEMENTS
+    return sum(int(t.numel()) for t in leaves) <= REAL_BATCH_ELEMENTS
 
 
 def _make_batch(make_batch: BatchBuilder, batch_size: int, seq_len: int) -> Any:
