@@ -20,7 +20,7 @@ from __future__ import annotations
 # torchrun environment), _supervisor (one loop in the caller's thread: start, relay, collect, stop)
 # with _reports (what each rank reported, which failure to blame), _stop (stopping ranks, closing
 # their descriptors) and _hangs (ranks stuck in different collectives), _worker (what runs inside a
-# rank), _guard (the process above each rank that kills whatever the rank started), _process_group
+# rank), _tree (nothing a rank starts outlives it: child subreapers), _process_group
 # (joining torch.distributed: launched ranks, torchrun, dist_init) with _fresh (store keys no
 # earlier torchrun start used), _output (whole-line relay), magic (the cell magic), _plan (ranks and
 # backend for a lesson), _orphan (a rank dies with its launcher), _stacks (a rank's stack dump,
