@@ -18,6 +18,7 @@ ports. Two defences, both set up first thing in the rank:
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import functools
@@ -25,7 +26,6 @@ import os
 import signal
 import stat
 import sys
-import threading
 import time
 
 __all__: list[str] = []
@@ -108,12 +108,12 @@ def die_with_parent(parent_pid: int) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {DEATH_SIGNAL})
     if os.getppid() != parent_pid:
         _die_with_everything_below()
-    threading.Thread(
-        target=_wait_for_parent_death if armed else _watch_parent,
-        args=() if armed else (parent_pid,),
-        name="fsdp_guide-parent-watch",
-        daemon=True,
-    ).start()
+    # A bare thread: threading.Thread.start would wait until it runs (a context switch on
+    # a busy machine) for nothing; it lives until the rank exits.
+    if armed:
+        _thread.start_new_thread(_wait_for_parent_death, ())
+    else:
+        _thread.start_new_thread(_watch_parent, (parent_pid,))
 
 
 def _open_fds() -> list[int]:
