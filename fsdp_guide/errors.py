@@ -13,7 +13,6 @@ __all__ = [
     "CheckpointError",
     "CollectiveCallError",
     "CollectiveMismatchError",
-    "CommandError",
     "EngineUnavailableError",
     "LaunchError",
     "LaunchTimeout",

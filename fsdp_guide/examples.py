@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["hello", "rank_and_sum"]
+__all__ = ["rank_and_sum"]
 
 
 def rank_and_sum(rank: int, world_size: int) -> tuple[int, float]:

@@ -16,7 +16,7 @@ builds one:
 * any other module from its ``forward`` signature: one required argument, shaped by the
   first layer that reads it (token ids for an ``nn.Embedding``, features for an
   ``nn.Linear``, 224 x 224 images for an ``nn.Conv2d``);
-* or stated: :func:`parse_input` reads ``name:dtype[dims]`` (``input_ids:int64[B,S]``),
+* or stated as ``name:dtype[dims]`` (``input_ids:int64[B,S]``, ``--input`` on the command line),
   ``B`` and ``S`` standing for the batch size and sequence length.
 
 Integer inputs are zeros (masks ones): valid token ids and labels for any vocabulary. The
@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from fsdp_guide.errors import PlanError
 
-__all__ = ["ExampleBatch", "InputSpec", "default_seq_len", "example_batch", "parse_input"]
+__all__ = ["example_batch"]
 
 #: Builds ``(inputs, targets)`` for ``(batch_size, seq_len)``.
 BatchBuilder = Callable[[int, int], tuple[Any, Tensor | None]]
@@ -287,7 +287,7 @@ def example_batch(model: nn.Module, inputs: Sequence[InputSpec] = ()) -> Example
 
     Args:
         model: The model (on any device: only its classes, config and signature are read).
-        inputs: Inputs stated by the user (:func:`parse_input`), passed as keywords; a
+        inputs: Inputs stated by the user (``name:dtype[dims]``), passed as keywords; a
             ``labels`` among them makes the model compute its own loss.
 
     Raises:

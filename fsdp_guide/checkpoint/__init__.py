@@ -33,11 +33,10 @@ from __future__ import annotations
 
 from fsdp_guide.checkpoint._api import load, save
 from fsdp_guide.checkpoint._consolidate import consolidate
+from fsdp_guide.checkpoint._into_shards import load_full_state_dict
+from fsdp_guide.checkpoint._into_shards import read_full_state_dict as read_full_state_dict
 
-# Kept importable for code written against earlier versions: fsdp_guide.engines.detect names
-# the engine, fsdp_guide.errors documents the error.
-from fsdp_guide.checkpoint._detect import detect_strategy as detect_strategy
-from fsdp_guide.checkpoint._into_shards import load_full_state_dict, read_full_state_dict
+# Documented in fsdp_guide.errors; importable from here too, as the lessons catch it.
 from fsdp_guide.errors import CheckpointError as CheckpointError
 
-__all__ = ["consolidate", "load", "load_full_state_dict", "read_full_state_dict", "save"]
+__all__ = ["consolidate", "load", "load_full_state_dict", "save"]

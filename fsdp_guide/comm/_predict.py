@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fsdp_guide.catalog import get_strategy
-from fsdp_guide.engines import ModelShape, detect, engine_for
+from fsdp_guide.engines import ModelShape, engine_for
 from fsdp_guide.launcher import check_world_size
 
 _DTYPE_SIZES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp64": 8}
@@ -279,4 +279,4 @@ def root_unit_params(module: nn.Module) -> int:
         >>> root_unit_params(nn.Linear(2, 2))
         0
     """
-    return detect(module).root_unit_params(module)
+    return engine_for(module).root_unit_params(module)

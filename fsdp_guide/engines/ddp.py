@@ -31,8 +31,6 @@ from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
 
-__all__ = ["DDP"]
-
 # DDP's default bucket_cap_mb: the largest gradient bucket all-reduced at once.
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 # DDP's first bucket is smaller, so that the first all-reduce starts early in backward.

@@ -27,8 +27,6 @@ from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 from fsdp_guide.engines.fsdp1 import FSDP1
 from fsdp_guide.errors import EngineUnavailableError
 
-__all__ = ["FairScaleFSDP", "UnmutatedStateDict", "fairscale_checkpointing"]
-
 
 def _fairscale_fsdp_class() -> type[nn.Module] | None:
     """FairScale's FSDP class, or ``None`` while FairScale is not imported (nothing can be

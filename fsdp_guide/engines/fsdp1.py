@@ -40,8 +40,6 @@ from fsdp_guide.engines._units import (
     unit_names,
 )
 
-__all__ = ["FSDP1"]
-
 ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 
 

@@ -27,8 +27,6 @@ from fsdp_guide.engines._partition import largest_first, owned_layout
 from fsdp_guide.engines._records import Collectives, Layout
 from fsdp_guide.engines.ddp import DDP
 
-__all__ = ["OSS"]
-
 
 @dataclass(frozen=True)
 class OSS(DDP):

@@ -1,6 +1,6 @@
 """No engine: a plain module on one process, its optimizer beside it.
 
-What :func:`fsdp_guide.engines.detect` names a model that no engine wrapped, so that
+What :func:`fsdp_guide.engines.engine_for` names a model that no engine wrapped, so that
 checkpoints and measuring treat it like any other (it holds what DDP holds, and sends
 nothing).
 
@@ -20,8 +20,6 @@ from torch import nn
 from fsdp_guide.engines._base import Built, Engine, adam
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines.ddp import DDP
-
-__all__ = ["Plain"]
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,6 @@ from fsdp_guide.engines._checkpoint import consolidated_everywhere
 from fsdp_guide.engines._partition import largest_first, owned_layout
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 
-__all__ = ["ShardedDDP"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class ShardedDDP(Engine):

@@ -26,8 +26,6 @@ from fsdp_guide.engines._partition import owned_layout
 from fsdp_guide.engines._records import Collectives, Layout
 from fsdp_guide.engines.ddp import DDP
 
-__all__ = ["Zero1"]
-
 
 @dataclass(frozen=True)
 class Zero1(DDP):

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fsdp_guide.engines import GRAD_BUFFERS, PARAM_BUFFERS, detect, local_tensor
+from fsdp_guide.engines import GRAD_BUFFERS, PARAM_BUFFERS, engine_for, local_tensor
 from fsdp_guide.memory._state import ModelState
 
 
@@ -97,7 +97,7 @@ def measure_model_state(
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     # An engine whose state the walk below would miss lists its tensors (DeepSpeed's).
-    engine = detect(module, optimizer)
+    engine = engine_for(module, optimizer)
     optimizer = engine.optimizer_of(module, optimizer)
     held = engine.state_tensors(module, optimizer)
     if held is not None:

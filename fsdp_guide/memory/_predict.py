@@ -124,8 +124,7 @@ def state_per_rank(
             compute on bf16 copies and keep the state in fp32: ``"mixed"`` is the fp32
             state there. DeepSpeed keeps bf16 parameters and gradients, and an fp32 master
             copy counted apart (:meth:`fsdp_guide.engines.Engine.mixed_layout`, with
-            Adam); with another optimizer it gets ZeRO's byte counts
-            (:func:`~fsdp_guide.memory.bytes_per_param`).
+            Adam); with another optimizer it gets ZeRO's byte counts.
         optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
 
     Returns:

@@ -1,7 +1,7 @@
 """One training step in time: each rank's bytes by category, and its collectives.
 
 :func:`record_step` runs a forward, backward and optimizer step under torch's profiler and
-returns a :class:`StepTimeline`: the bytes of parameters, gradients, optimizer state,
+returns its timeline: the bytes of parameters, gradients, optimizer state,
 activations and temporaries allocated at every instant of the step, the phases, and every
 collective (kind, payload bytes, start and end) on the same time axis. It can write the
 profiler's Chrome trace, which Perfetto (https://ui.perfetto.dev) opens.
@@ -9,12 +9,12 @@ profiler's Chrome trace, which Perfetto (https://ui.perfetto.dev) opens.
 
 from __future__ import annotations
 
-from fsdp_guide.timeline._record import (
-    CATEGORIES,
-    PHASES,
-    CollectiveEvent,
-    StepTimeline,
-    record_step,
-)
+from fsdp_guide.timeline._record import CATEGORIES, record_step
+from fsdp_guide.timeline._record import PHASES as PHASES
+from fsdp_guide.timeline._record import CollectiveEvent as CollectiveEvent
+from fsdp_guide.timeline._record import StepTimeline as StepTimeline
 
-__all__ = ["CATEGORIES", "PHASES", "CollectiveEvent", "StepTimeline", "record_step"]
+__all__ = [
+    "CATEGORIES",
+    "record_step",
+]

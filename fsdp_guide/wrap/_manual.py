@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_guide.engines import UnitEngine, get_unit_engine
+from fsdp_guide.engines import UnitEngine, unit_engine
 from fsdp_guide.wrap._shard import check_process_group
 
 
@@ -66,7 +66,7 @@ def wrapping(engine: str = "fsdp2", **engine_options: Any) -> Iterator[None]:
           2: Linear
         >>> dist.destroy_process_group()
     """
-    adapter = get_unit_engine(engine)
+    adapter = unit_engine(engine)
     if _ACTIVE.get() is not None:
         raise RuntimeError("wrapping() blocks do not nest; leave the active block first")
     check_process_group("wrapping()")

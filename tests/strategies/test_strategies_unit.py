@@ -27,8 +27,8 @@ from fsdp_guide.strategies._fsdp_helpers import (
     check_optimizers_use_sharded_params,
     normalize_layer_classes,
 )
+from fsdp_guide.strategies._fully_sharded import USE_TRAINER_MODEL
 from fsdp_guide.strategies._precision import to_sharded_precision
-from fsdp_guide.strategies.fully_sharded import USE_TRAINER_MODEL
 
 
 @pytest.mark.parametrize(
@@ -396,7 +396,7 @@ def test_activation_checkpointing_of_a_class_the_model_lacks_is_refused() -> Non
 
 
 def test_popen_switches_to_fork_in_an_interactive_session(monkeypatch: pytest.MonkeyPatch) -> None:
-    import fsdp_guide.strategies.sharded as sharded_module
+    import fsdp_guide.strategies._sharded as sharded_module
 
     monkeypatch.setattr(sharded_module, "_IS_INTERACTIVE", True)
     trainer = pl.Trainer(strategy="ddp_sharded", accelerator="cpu", devices=2, logger=False)
@@ -418,7 +418,7 @@ def test_fully_sharded_forks_in_an_interactive_session(
     from lightning_fabric.plugins.environments import LightningEnvironment
     from pytorch_lightning.accelerators import CUDAAccelerator
 
-    import fsdp_guide.strategies.fully_sharded as fully_sharded_module
+    import fsdp_guide.strategies._fully_sharded as fully_sharded_module
 
     monkeypatch.setattr(fully_sharded_module, "_IS_INTERACTIVE", interactive)
     strategy = DDPFullyShardedStrategy(

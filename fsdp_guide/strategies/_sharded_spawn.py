@@ -20,12 +20,10 @@ from lightning_fabric.strategies.registry import _StrategyRegistry
 from pytorch_lightning.plugins.precision import Precision
 from torch.distributed.constants import default_pg_timeout
 
-from fsdp_guide.strategies.sharded import DDPShardedStrategy, StartMethod
+from fsdp_guide.strategies._sharded import DDPShardedStrategy, StartMethod
 
 if TYPE_CHECKING:
     from pytorch_lightning.accelerators import Accelerator
-
-__all__ = ["DDPSpawnShardedStrategy"]
 
 
 class DDPSpawnShardedStrategy(DDPShardedStrategy):

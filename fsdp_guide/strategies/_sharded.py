@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
     from pytorch_lightning.accelerators import Accelerator
 
-__all__ = ["DDPShardedStrategy"]
 
 log = logging.getLogger(__name__)
 
