@@ -129,7 +129,7 @@ def build_sharded(
         On one rank in this process: the weights equal the plain model's.
 
         >>> import torch.distributed as dist
-        >>> from fsdp_guide import dist_init, find_free_port
+        >>> from fsdp_guide.launcher import dist_init, find_free_port
         >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
         >>> from fsdp_guide.wrap import LayerPolicy
         >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())

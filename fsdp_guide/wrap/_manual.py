@@ -52,7 +52,7 @@ def wrapping(engine: str = "fsdp2", **engine_options: Any) -> Iterator[None]:
         On a single rank, in this process:
 
         >>> import torch.distributed as dist
-        >>> from fsdp_guide import dist_init, find_free_port
+        >>> from fsdp_guide.launcher import dist_init, find_free_port
         >>> from fsdp_guide.wrap import describe
         >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))

@@ -94,7 +94,7 @@ def shard(
         On ranks (here a single one, in this process), each Block becomes a unit:
 
         >>> import torch.distributed as dist
-        >>> from fsdp_guide import dist_init, find_free_port
+        >>> from fsdp_guide.launcher import dist_init, find_free_port
         >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
         >>> from fsdp_guide.wrap import LayerPolicy, sharded_units
         >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())
