@@ -17,7 +17,7 @@ it with its own model and optimizer):
 
 The engine (plain module, DDP, ``ZeroRedundancyOptimizer``, FairScale OSS, ShardedDDP and
 FSDP, PyTorch FSDP1 and FSDP2, DeepSpeed) is read from the model and optimizer by
-:func:`fsdp_guide.engines.detect`; its adapter (:class:`fsdp_guide.engines.Engine`) moves its
+:func:`fsdp_guide.engines.engine_for`; its adapter (:class:`fsdp_guide.engines.Engine`) moves its
 state.
 
 A failure on any rank raises the same :class:`~fsdp_guide.errors.CheckpointError` on every

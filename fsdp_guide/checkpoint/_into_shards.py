@@ -155,7 +155,7 @@ def load_full_state_dict(
     """Load full weights into a sharded model, read by rank 0 alone.
 
     Collective: every rank calls it with its own model (FSDP2 or FSDP1, or a plain module or
-    DDP). Rank 0 reads ``source`` (see :func:`read_full_state_dict`: its bytes verified
+    DDP). Rank 0 reads ``source`` (``read_full_state_dict``: its bytes verified
     first; other ranks may pass ``None``) and checks names and shapes against the model;
     then PyTorch's ``set_model_state_dict(..., full_state_dict=True,
     broadcast_from_rank0=True)`` sends the tensors one by one. Into FSDP2 each rank copies

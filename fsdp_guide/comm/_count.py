@@ -318,7 +318,7 @@ def count_collectives() -> Iterator[CommCounter]:
     ``complete=False``, how many were missed and why.
 
     Yields:
-        A :class:`CommCounter`; its ``stats`` is a :class:`CommStats` after the block.
+        A counter; its ``stats`` (a ``CommStats``) are the block's collectives once it ends.
 
     Raises:
         RuntimeError: Reading ``stats`` inside the block.

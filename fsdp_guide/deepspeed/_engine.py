@@ -90,7 +90,8 @@ def _linker_probes_silenced() -> Iterator[None]:
 def import_deepspeed() -> ModuleType:
     """Import DeepSpeed ready to run here: the rank's accelerator, no compiled comm op.
 
-    The accelerator is :func:`rank_accelerator`'s, unless ``DS_ACCELERATOR`` says otherwise.
+    The accelerator is the rank's device's (a gloo rank's is the CPU), unless
+    ``DS_ACCELERATOR`` says otherwise.
 
     On CPU, ``deepspeed.init_distributed`` builds its shared-memory collectives op
     (``deepspeed_shm_comm``) with the C++ compiler in every new process: 75 s the first

@@ -109,7 +109,8 @@ def launch(
         args: Extra positional arguments for ``fn``.
         kwargs: Extra keyword arguments for ``fn``.
         backend: ``"auto"`` (NCCL with a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``.
-        timeout: Seconds before all ranks are stopped and :class:`LaunchTimeout` is raised.
+        timeout: Seconds before all ranks are stopped and
+            :class:`~fsdp_guide.errors.LaunchTimeout` is raised.
         start_method: ``"auto"`` (fork in a notebook or interactive prompt on a machine
             without a GPU, else spawn), ``"fork"`` or ``"spawn"``. With a GPU visible, a
             forked rank cannot use CUDA or autograd once this process has run a backward
@@ -141,11 +142,10 @@ def launch(
         LaunchTimeout: Not every rank finished in time; their stacks were printed, all stopped.
 
     Examples:
-        ``rank_and_sum`` all-reduces ``1 / world_size`` and returns its rank and the sum:
+        Each rank returns ten times its rank; the values come back ordered by rank:
 
-        >>> from fsdp_guide.examples import rank_and_sum
-        >>> launch(rank_and_sum, world_size=2, backend="gloo", start_method="spawn")
-        [(0, 1.0), (1, 1.0)]
+        >>> launch(lambda rank, world_size: 10 * rank, world_size=2, start_method="fork")
+        [0, 10]
     """
     fn, args, kwargs = check_call(fn, args, kwargs)
     timeout = check_timeout(timeout)

@@ -61,7 +61,7 @@ from fsdp_guide.memory._predict import estimate_deepspeed_state, predict_model_s
 from fsdp_guide.memory._recommend import recommend as recommend
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._trace import build_on_meta as build_on_meta
-from fsdp_guide.memory._trace import traced_activation_bytes as traced_activation_bytes
+from fsdp_guide.memory._trace import traced_activation_bytes
 from fsdp_guide.memory._zero import BytesPerParam as BytesPerParam
 from fsdp_guide.memory._zero import OptimizerName as OptimizerName
 from fsdp_guide.memory._zero import Precision as Precision
@@ -79,5 +79,6 @@ __all__ = [
     "plan",
     "predict_model_state",
     "state_per_rank",
+    "traced_activation_bytes",
     "track_allocations",
 ]

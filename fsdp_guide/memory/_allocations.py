@@ -112,7 +112,7 @@ def track_allocations(device: torch.device | str | None = None) -> Iterator[Allo
         device: ``"cpu"`` or a CUDA device; ``None`` is the CPU.
 
     Yields:
-        An :class:`Allocations`, filled in when the block ends.
+        Its ``Allocations``, filled in when the block ends.
 
     Raises:
         ValueError: For a device that is neither the CPU nor CUDA.

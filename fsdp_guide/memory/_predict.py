@@ -4,7 +4,7 @@ The ZeRO formulas (:func:`~fsdp_guide.memory.estimate_model_state`) split ``Ψ``
 engines do not, and each engine's adapter says what every rank of it holds, in elements
 (:meth:`fsdp_guide.engines.Engine.layout`): whole tensors give uneven optimizer shards, flat
 parameters and FSDP2's row chunks are padded, DeepSpeed keeps a master copy. Here those
-elements become bytes at a precision and optimizer (:func:`~fsdp_guide.memory.bytes_per_param`).
+elements become bytes at a precision and optimizer.
 An engine that does not know its layout for a setting gets the ZeRO formula on every rank,
 marked as not exact.
 
