@@ -51,7 +51,7 @@ class Engine(ABC):
     FSDP units are answered by the same adapters, through :class:`~fsdp_guide.engines.UnitEngine`.
     """
 
-    #: The engine's name, as catalog rows give it (:attr:`~fsdp_guide.catalog.StrategySpec.engine`).
+    #: The engine's name, as the rows of :data:`~fsdp_guide.catalog.STRATEGIES` give it.
     name: ClassVar[str]
     #: What it is, in a few words.
     title: ClassVar[str]
@@ -60,7 +60,7 @@ class Engine(ABC):
     #: 0 for an engine its maintainers develop (DDP, ZeroRedundancyOptimizer, FSDP2,
     #: DeepSpeed), 1 for a superseded one (FSDP1, by FSDP2; its ``NO_SHARD`` already warns
     #: it is deprecated), 2 for one no longer developed (FairScale's last release was in
-    #: 2022); :func:`fsdp_guide.memory.recommend` ranks plans by it first.
+    #: 2022); the planner's recommendation ranks plans by it first.
     maintenance: ClassVar[int] = 0
     #: Tensors hung on a parameter that hold its data (shards, gathered copies).
     param_buffers: ClassVar[tuple[str, ...]] = ()
