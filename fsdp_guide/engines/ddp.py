@@ -31,6 +31,9 @@ from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
 
+# Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
+__all__: list[str] = []
+
 # DDP's default bucket_cap_mb: the largest gradient bucket all-reduced at once.
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 # DDP's first bucket is smaller, so that the first all-reduce starts early in backward.

@@ -43,6 +43,9 @@ from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import Gathered, StepPeak, StepSizes
 from fsdp_guide.engines._zero3 import DEFAULT_MAX_LIVE, DEFAULT_REUSE_DISTANCE, zero3_gathered
 
+# Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
+__all__: list[str] = []
+
 #: The prefetch bucket (elements) :func:`fsdp_guide.deepspeed.zero_config` sets.
 GUIDE_PREFETCH_BUCKET = 2**16
 

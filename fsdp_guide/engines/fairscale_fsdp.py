@@ -27,6 +27,9 @@ from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 from fsdp_guide.engines.fsdp1 import FSDP1
 from fsdp_guide.errors import EngineUnavailableError
 
+# Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
+__all__: list[str] = []
+
 
 def _fairscale_fsdp_class() -> type[nn.Module] | None:
     """FairScale's FSDP class, or ``None`` while FairScale is not imported (nothing can be

@@ -44,6 +44,9 @@ from fsdp_guide.engines._units import (
     unit_names,
 )
 
+# Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
+__all__: list[str] = []
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank holds: a DTensor's (FSDP2) local shard, else ``tensor``.

@@ -21,6 +21,9 @@ from fsdp_guide.engines._base import Built, Engine, adam
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines.ddp import DDP
 
+# Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
+__all__: list[str] = []
+
 
 @dataclass(frozen=True)
 class Plain(Engine):
