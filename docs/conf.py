@@ -138,7 +138,7 @@ nitpick_ignore = [("py:class", "Accelerator")]
 nitpick_ignore_regex = [
     (r"py:.*", _NOT_OURS),
     # Private names (``_COMMANDS``) are deliberately not in the API reference, nor is what
-    # only a private module defines: a type hint naming ``fsdp_guide.comm._count.CommStats``
+    # only a private module defines: a type hint naming ``fsdp_guide.comm._stats.CommStats``
     # links to the public entry when there is one (docs/_ext/fsdp_refs.py) and else stays
     # text. A public path (``fsdp_guide.comm.CommStats``) must still resolve.
     (r"py:.*", r"(.*\.)?_[A-Za-z]\w*(\..*)?"),

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_guide.errors import RankError
-from fsdp_guide.launcher import find_free_port, launch
+from fsdp_guide.errors import RankError as RankError
+from fsdp_guide.launcher import find_free_port as find_free_port
+from fsdp_guide.launcher import launch as launch
 
 __version__ = "0.1.0"
 
-# What the lessons take from the top level; everything else from its sub-package.
-__all__ = ["RankError", "find_free_port", "launch"]
+# The lessons take launch from the top level: a re-export, documented once, in fsdp_guide.launcher
+# (every other name comes from its sub-package). Listed there, not here, so it counts once.
+__all__: list[str] = []
 
 
 def load_ipython_extension(ipython: Any) -> None:

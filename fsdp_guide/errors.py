@@ -11,13 +11,9 @@ from typing import Any
 
 __all__ = [
     "CheckpointError",
-    "CollectiveCallError",
-    "CollectiveMismatchError",
     "EngineUnavailableError",
     "LaunchError",
     "LaunchTimeout",
-    "MetaInitError",
-    "MissingRequirementError",
     "OptimizerMismatchError",
     "PlanError",
     "RankError",

@@ -14,16 +14,16 @@ Examples:
 
 from __future__ import annotations
 
-from fsdp_guide.comm._count import COLLECTIVE_KINDS as COLLECTIVE_KINDS
-from fsdp_guide.comm._count import CollectiveCount as CollectiveCount
-from fsdp_guide.comm._count import CollectiveKind as CollectiveKind
 from fsdp_guide.comm._count import CommCounter as CommCounter
-from fsdp_guide.comm._count import CommStats as CommStats
 from fsdp_guide.comm._count import count_collectives
 from fsdp_guide.comm._count import payload_of as payload_of
 from fsdp_guide.comm._predict import CommPrediction as CommPrediction
 from fsdp_guide.comm._predict import predict_communication
 from fsdp_guide.comm._predict import root_unit_params as root_unit_params
+from fsdp_guide.comm._stats import COLLECTIVE_KINDS as COLLECTIVE_KINDS
+from fsdp_guide.comm._stats import CollectiveCount as CollectiveCount
+from fsdp_guide.comm._stats import CollectiveKind as CollectiveKind
+from fsdp_guide.comm._stats import CommStats as CommStats
 
 __all__ = [
     "count_collectives",

@@ -18,7 +18,7 @@ What it takes to run DeepSpeed on a laptop, and where each step lives:
   ``"adam_w_mode": False`` (else ``"Adam"`` means AdamW), buckets and a ZeRO-3 persistence
   threshold small enough that a small model is really sharded.
 * Before any process starts, a one-line
-  :class:`~fsdp_guide.errors.MissingRequirementError` names the fix when the extra is
+  ``MissingRequirementError`` names the fix when the extra is
   missing, or when a config would compile an op and no compiler is on ``PATH``.
 * :func:`backward_and_step`: ``engine.backward(loss)`` and ``engine.step()`` in place of
   ``loss.backward()`` and ``optimizer.step()``.

@@ -42,7 +42,7 @@ def deepspeed_installed() -> bool:
 
 
 def check_installed(what: str = "DeepSpeed ZeRO") -> None:
-    """Raise a one-line :class:`MissingRequirementError` naming the fix unless DeepSpeed is there.
+    """Raise a one-line ``MissingRequirementError`` naming the fix unless DeepSpeed is there.
 
     Args:
         what: What needs it, for the message.

@@ -9,7 +9,7 @@ configured with its settings, or the engine of a model that one wrapped.
 Each adapter is an :class:`Engine`: how it wraps a model and builds the optimizer
 (:meth:`Engine.build`), what each rank holds after ``optimizer.step()``
 (:meth:`Engine.layout`, in elements: a :class:`Layout`), the largest short-lived buffer
-(:meth:`Engine.transient`: a :class:`Transient`), the collectives of a step
+(:meth:`Engine.transient`: a ``Transient``), the collectives of a step
 (:meth:`Engine.collectives`: :class:`Collectives`), and how its state goes in and out of a
 checkpoint (:meth:`Engine.full_state`, :meth:`Engine.load_full_state`,
 :meth:`Engine.sharded_state`, :attr:`Engine.sharded_layout`). The FSDP engines are also
@@ -35,7 +35,8 @@ from fsdp_guide.engines._checkpoint import TorchStateDict as TorchStateDict
 from fsdp_guide.engines._checkpoint import kept_fresh as kept_fresh
 from fsdp_guide.engines._checkpoint import without_state as without_state
 from fsdp_guide.engines._deepspeed_layout import deepspeed_layout as deepspeed_layout
-from fsdp_guide.engines._records import Collectives, Layout, Transient
+from fsdp_guide.engines._records import Collectives, Layout
+from fsdp_guide.engines._records import Transient as Transient
 from fsdp_guide.engines._registry import ENGINES as ENGINES
 from fsdp_guide.engines._registry import GRAD_BUFFERS as GRAD_BUFFERS
 from fsdp_guide.engines._registry import PARAM_BUFFERS as PARAM_BUFFERS
@@ -79,7 +80,6 @@ __all__ = [
     "Collectives",
     "Engine",
     "Layout",
-    "Transient",
     "UnitEngine",
     "engine_for",
     "model_shape",

@@ -41,7 +41,7 @@ class Engine(ABC):
     * **recognise**: whether a trained model and optimizer are its own;
     * **memory**: the ZeRO stage that describes the state after ``optimizer.step()``, the
       ranks it shards over, each rank's :class:`Layout` (to the element), the largest
-      :class:`Transient` buffer;
+      ``Transient`` buffer;
     * **communication**: the :class:`Collectives` of one step;
     * **training**: one backward and optimizer step, and clearing the gradients.
 
@@ -280,7 +280,7 @@ class Engine(ABC):
         return optimizer
 
     def state_tensors(self, module: nn.Module, optimizer: object) -> dict[str, list[Any]] | None:
-        """The tensors a rank holds by :class:`~fsdp_guide.memory.ModelState` field, where
+        """The tensors a rank holds by ``ModelState`` field, where
         the generic walk over parameters, gradients and optimizer state would miss them
         (DeepSpeed's flat partitions); ``None`` for the generic walk."""
         return None

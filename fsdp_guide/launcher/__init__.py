@@ -4,13 +4,13 @@
 line by line with a ``[rankN]`` prefix, and returns each rank's result; when any rank fails,
 it stops them all, and everything they started, and raises. Ranks stuck in different
 collectives are stopped within seconds
-(:class:`~fsdp_guide.errors.CollectiveMismatchError`), and so is a nested ``launch`` that
-only some ranks call (:class:`~fsdp_guide.errors.CollectiveCallError`). Under ``torchrun``,
+(``CollectiveMismatchError``), and so is a nested ``launch`` that
+only some ranks call (``CollectiveCallError``). Under ``torchrun``,
 :func:`launch` runs the function once in each process it started, on the process group it
 sets up. :func:`rank_device` is the
 device a rank computes on: its GPU under NCCL, the CPU under gloo; :func:`plan_ranks` picks
 the ranks a lesson starts (every GPU when there are two or more, else CPU ranks under gloo).
-``%load_ext fsdp_guide`` registers :class:`~fsdp_guide.launcher.magic.DistributedMagics`, the
+``%load_ext fsdp_guide`` registers ``DistributedMagics``, the
 ``%%distributed`` cell magic.
 """
 

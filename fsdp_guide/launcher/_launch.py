@@ -77,11 +77,11 @@ def launch(
 
     Two mistakes that would hang until ``timeout`` fail within seconds instead. ``launch``
     called inside a launched function on some ranks only (under ``if rank == 0:``) raises
-    :class:`~fsdp_guide.errors.CollectiveCallError` on those ranks after 5 s (the
+    ``CollectiveCallError`` on those ranks after 5 s (the
     ``FSDP_GUIDE_ENTRY_TIMEOUT`` the checkpoint helpers use). With gloo on Linux, ranks
     that all wait in collectives that are not the same one (called in a different order,
     or one rank waits in a collective the others skipped) while no rank uses the CPU are
-    stopped after about 4 s with :class:`~fsdp_guide.errors.CollectiveMismatchError`, which
+    stopped after about 4 s with ``CollectiveMismatchError``, which
     names each rank's collective and the line that called it; their stacks are printed. A
     rank that is only slow (computing, sleeping, reading, waiting on anything that is not a
     collective) is never reported this way: only ``timeout`` ends it.
@@ -136,7 +136,7 @@ def launch(
         RankError: A rank raised, exited non-zero, was killed, or returned a value that
             cannot be unpickled here; the others were stopped. A nested ``launch`` called
             on some ranks only makes those ranks raise
-            :class:`~fsdp_guide.errors.CollectiveCallError`.
+            ``CollectiveCallError``.
         CollectiveMismatchError: The ranks waited in different collectives, so none could
             finish; their stacks were printed, all stopped.
         LaunchTimeout: Not every rank finished in time; their stacks were printed, all stopped.

@@ -11,7 +11,8 @@ Communication is :mod:`fsdp_guide.comm`'s.
 **Planning.** :func:`plan` adds what a rank holds at its peak, without allocating the model:
 the model state of every rank (to the byte, as each engine lays it out), the activations
 saved for backward (traced on fake tensors), the largest transient buffer and the
-communication per step, in a :class:`Plan`.
+communication per step, in a :class:`Plan`. A pipeline's stages and schedule are planned
+by :func:`pipeline_stages` and :func:`pipeline_schedule`.
 
 **When to measure.** Call :func:`measure_model_state` **after** ``optimizer.step()`` and **before**
 ``optimizer.zero_grad()``. At that point every kind of state exists at once: the
@@ -50,6 +51,8 @@ None). Activations and module buffers are not counted.
 
 from __future__ import annotations
 
+# Names beside __all__ are for the package's other sub-packages (the command line, the
+# benchmarks), not documented for readers; ``X as X`` keeps them importable under mypy.
 from fsdp_guide.memory._allocations import Allocations as Allocations
 from fsdp_guide.memory._allocations import track_allocations
 from fsdp_guide.memory._measure import PeakMemory as PeakMemory
@@ -57,11 +60,17 @@ from fsdp_guide.memory._measure import measure_model_state
 from fsdp_guide.memory._measure import peak_memory as peak_memory
 from fsdp_guide.memory._plan import plan
 from fsdp_guide.memory._plan_record import Plan
+from fsdp_guide.memory._pp import pipeline_stages
+from fsdp_guide.memory._pp_record import PipelinePlan as PipelinePlan
 from fsdp_guide.memory._predict import estimate_deepspeed_state, predict_model_state, state_per_rank
 from fsdp_guide.memory._recommend import recommend as recommend
-from fsdp_guide.memory._state import ModelState
+from fsdp_guide.memory._schedule import PipelineAction as PipelineAction
+from fsdp_guide.memory._schedule import PipelineSchedule as PipelineSchedule
+from fsdp_guide.memory._schedule import TimedAction as TimedAction
+from fsdp_guide.memory._schedule import pipeline_schedule
+from fsdp_guide.memory._state import ModelState as ModelState
 from fsdp_guide.memory._trace import build_on_meta as build_on_meta
-from fsdp_guide.memory._trace import traced_activation_bytes
+from fsdp_guide.memory._trace import traced_activation_bytes as traced_activation_bytes
 from fsdp_guide.memory._zero import BytesPerParam as BytesPerParam
 from fsdp_guide.memory._zero import OptimizerName as OptimizerName
 from fsdp_guide.memory._zero import Precision as Precision
@@ -70,15 +79,15 @@ from fsdp_guide.memory._zero import estimate_model_state, format_bytes
 from fsdp_guide.memory._zero import parse_size as parse_size
 
 __all__ = [
-    "ModelState",
     "Plan",
     "estimate_deepspeed_state",
     "estimate_model_state",
     "format_bytes",
     "measure_model_state",
+    "pipeline_schedule",
+    "pipeline_stages",
     "plan",
     "predict_model_state",
     "state_per_rank",
-    "traced_activation_bytes",
     "track_allocations",
 ]

@@ -128,7 +128,7 @@ def state_per_rank(
         optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
 
     Returns:
-        One :class:`~fsdp_guide.memory.ModelState` per rank, and ``True`` when the
+        One ``ModelState`` per rank, and ``True`` when the
         engine's layout is known (else each rank gets the ZeRO formula).
 
     Examples:
@@ -251,7 +251,7 @@ def estimate_deepspeed_state(
         offload_param: ``zero_optimization.offload_param`` is set (stage 3).
 
     Returns:
-        The predicted :class:`~fsdp_guide.memory.ModelState`, measured by
+        The predicted ``ModelState``, measured by
         :func:`~fsdp_guide.memory.measure_model_state` on the engine.
 
     Raises:

@@ -119,7 +119,7 @@ def estimate_model_state(
             buffer even though only the owner's shard is summed.
 
     Returns:
-        The predicted :class:`~fsdp_guide.memory.ModelState`.
+        The predicted ``ModelState``.
 
     Raises:
         ValueError: For ``num_params`` not positive and finite, ``world_size < 1``, or a

@@ -45,11 +45,8 @@ from fsdp_guide.errors import EngineUnavailableError as EngineUnavailableError
 from fsdp_guide.errors import MetaInitError as MetaInitError
 from fsdp_guide.errors import OptimizerMismatchError as OptimizerMismatchError
 from fsdp_guide.wrap._activations import CheckpointImplementation as CheckpointImplementation
-from fsdp_guide.wrap._activations import (
-    checkpoint_layers,
-    checkpointed_names,
-    saved_activation_bytes,
-)
+from fsdp_guide.wrap._activations import checkpoint_layers, saved_activation_bytes
+from fsdp_guide.wrap._activations import checkpointed_names as checkpointed_names
 from fsdp_guide.wrap._build import build_sharded, uninitialisable_modules
 from fsdp_guide.wrap._inspect import ModuleNode as ModuleNode
 from fsdp_guide.wrap._inspect import describe, sharded_units
@@ -70,7 +67,6 @@ __all__ = [
     "build_sharded",
     "check_optimizer",
     "checkpoint_layers",
-    "checkpointed_names",
     "describe",
     "saved_activation_bytes",
     "selected_modules",

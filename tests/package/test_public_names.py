@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import json
 import re
 from pathlib import Path
@@ -106,6 +107,42 @@ def _imported_names() -> list[tuple[str, str]]:
 def test_every_name_a_lesson_imports_is_public(module: str, name: str) -> None:
     lessons = sorted({lesson for lesson, m, n in _lesson_imports() if (m, n) == (module, name)})
     assert _public(module, name), f"{lessons} import {module}.{name}, which is not public"
+
+
+@pytest.mark.parametrize(
+    ("module", "name"), _imported_names(), ids=[f"{m}.{n}" for m, n in _imported_names()]
+)
+def test_every_name_a_lesson_imports_resolves(module: str, name: str) -> None:
+    assert hasattr(importlib.import_module(module), name), f"{module} has no {name}"
+
+
+#: A name in a bullet of a lesson's own "## API used" section (docs/lessons.md).
+API_NAME = re.compile(r"`(fsdp_guide(?:\.\w+)+)`")
+
+
+@functools.cache
+def _api_section_names() -> list[tuple[str, str]]:
+    """``(module, name)`` of every ``fsdp_guide...`` a lesson's "API used" section names."""
+    found = set()
+    for notebook in NOTEBOOKS:
+        cells = json.loads(notebook.read_text())["cells"]
+        for cell in cells:
+            text = "".join(cell["source"])
+            if cell["cell_type"] != "markdown" or not re.search(r"^## API used", text, re.M):
+                continue
+            for line in re.findall(r"^[-*] .*$", text, re.M):
+                for dotted in API_NAME.findall(line):
+                    if not _source(dotted).exists():  # a module, named as such
+                        found.add(tuple(dotted.rsplit(".", 1)))
+    return sorted(found)
+
+
+@pytest.mark.parametrize(
+    ("module", "name"), _api_section_names(), ids=[f"{m}.{n}" for m, n in _api_section_names()]
+)
+def test_every_name_a_lessons_api_section_lists_is_public(module: str, name: str) -> None:
+    assert hasattr(importlib.import_module(module), name), f"{module} has no {name}"
+    assert _public(module, name), f"a lesson's API section names {module}.{name}, not public"
 
 
 def test_the_lessons_import_names_at_all() -> None:
