@@ -116,7 +116,7 @@ def hf_builder(name: str, overrides: Mapping[str, Any] | None = None) -> Callabl
         (:func:`fsdp_guide.memory.plan` does).
 
     Raises:
-        MissingRequirementError: Without the ``transformers`` extra.
+        ValueError: ``MissingRequirementError``: Without the ``transformers`` extra.
         PlanError: For an unknown model type or class, or a field its config does not have.
 
     Examples:

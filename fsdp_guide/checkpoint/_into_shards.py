@@ -92,7 +92,8 @@ def read_full_state_dict(source: Source) -> dict[str, torch.Tensor]:
         CheckpointError: A missing, unreadable or changed file (bytes that do not match its
             digest or checksums), pickled code, or anything but a mapping of names to
             tensors.
-        MissingRequirementError: A ``.safetensors`` file without the safetensors package.
+        ValueError: ``MissingRequirementError``: A ``.safetensors`` file without the safetensors
+            package.
 
     Examples:
         >>> import tempfile

@@ -102,7 +102,7 @@ def import_deepspeed() -> ModuleType:
         The ``deepspeed`` module.
 
     Raises:
-        MissingRequirementError: DeepSpeed is not installed.
+        ValueError: ``MissingRequirementError``: DeepSpeed is not installed.
         RuntimeError: DeepSpeed was imported before, with another accelerator than the
             rank's device (a forked rank inherits its parent's choice).
     """
@@ -154,7 +154,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any]) -> tuple[nn.Module, 
         which is not a ``torch.optim.Optimizer``).
 
     Raises:
-        MissingRequirementError: DeepSpeed is not installed.
+        ValueError: ``MissingRequirementError``: DeepSpeed is not installed.
     """
     deepspeed = import_deepspeed()
     import torch.distributed as dist

@@ -137,8 +137,8 @@ def launch(
             cannot be unpickled here; the others were stopped. A nested ``launch`` called
             on some ranks only makes those ranks raise
             ``CollectiveCallError``.
-        CollectiveMismatchError: The ranks waited in different collectives, so none could
-            finish; their stacks were printed, all stopped.
+        LaunchError: ``CollectiveMismatchError``: The ranks waited in different collectives, so
+            none could finish; their stacks were printed, all stopped.
         LaunchTimeout: Not every rank finished in time; their stacks were printed, all stopped.
 
     Examples:

@@ -216,7 +216,7 @@ def build_pipeline(
         device: This rank's device (:func:`fsdp_guide.launcher.rank_device` by default).
         loss_fn: ``loss_fn(output, target)`` on the last stage; by default cross-entropy for
             integer targets, mean squared error for floating ones
-            (:func:`fsdp_guide.outputs.output_loss`).
+            (``output_loss``, what a model's output and the targets give as its loss).
 
     Returns:
         A ``Pipeline``.

@@ -115,8 +115,8 @@ def build_sharded(
         The model, sharded in place; build the optimizer from it afterwards.
 
     Raises:
-        MetaInitError: Before anything is allocated: tied weights, or (``init="reset"``) a
-            module with tensors of its own and no ``reset_parameters()``.
+        ValueError: ``MetaInitError``: Before anything is allocated: tied weights, or
+            (``init="reset"``) a module with tensors of its own and no ``reset_parameters()``.
         ValueError: ``init`` is neither ``"reset"`` nor ``"empty"``.
         RuntimeError: No process group is initialised.
 
