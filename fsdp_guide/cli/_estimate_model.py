@@ -369,7 +369,7 @@ def plan_table(
     The columns up to ``total`` are what the rank holds on the GPU and add up to it; ``peak``
     is the most the step holds at once there, what must fit; ``host`` what offload keeps in
     host memory; ``payload`` and ``wire`` the communication per optimizer step. The
-    recommendation (:func:`~fsdp_guide.memory.recommend`) is the strategy whose peak fits
+    recommendation (``recommend``) is the strategy whose peak fits
     (within ``gpu_memory`` less the margin) on the best-maintained engine (FSDP2 before
     FSDP1, both before FairScale), with the fewest bytes on the wire, then the least memory;
     under it, the fine-tuning recipe of the repository's ``examples/recipes`` that trains

@@ -100,7 +100,7 @@ def plan(
         batch: Builds ``(inputs, targets)`` of a batch; known for the demo models.
         optimizer: ``"adam"``, ``"adamw"`` (planned as Adam: AdamW's decoupled weight
             decay keeps no state of its own), ``"sgd"`` or ``"sgd_momentum"``.
-        activations: Bytes already traced by :func:`traced_activation_bytes` for this model,
+        activations: Bytes already traced by ``traced_activation_bytes`` for this model,
             batch, precision and checkpointing: the trace is skipped (planning one model
             for many strategies traces it once).
         policy: How a fully sharded strategy cuts the model into units: ``"blocks"`` (a
