@@ -22,8 +22,6 @@ from fsdp_guide.cli._args import (
 )
 from fsdp_guide.memory import OptimizerName, Precision
 
-_SHARDS = ("nothing", "optimizer state", "+ gradients", "+ parameters")
-
 
 def _strategy_lines() -> str:
     """Every strategy of the catalog with its aliases and summary, for ``--help``."""
@@ -53,14 +51,6 @@ columns (bytes per GPU, on the rank that holds the most):
   wire         per optimizer step, what the rank sends in a ring: 2(g-1)/g of an
                all-reduce's payload, (g-1)/g of the others', over a group of g ranks
 """
-
-
-def _strategies_of_stage(stage: int) -> str:
-    """Names of the catalog at a stage; variants of one mechanism (buckets, hybrid, offload) out."""
-    from fsdp_guide.catalog import STRATEGIES
-
-    names = [s.name for s in STRATEGIES.values() if s.zero_stage == stage and not s.variant_of]
-    return ", ".join(names)
 
 
 def add_parser(sub: Any) -> None:
@@ -323,83 +313,6 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
-def estimate_table(
-    num_params: float,
-    world_size: int,
-    precision: str = "mixed",
-    optimizer: str = "adam",
-    gpu_memory: int | None = None,
-) -> str:
-    """The table ``estimate`` prints: one line per ZeRO stage, in GB (10**9 bytes).
-
-    Args:
-        num_params: Parameters in the model.
-        world_size: Ranks (GPUs) the state is sharded over.
-        precision: ``"mixed"`` or ``"fp32"``.
-        optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
-        gpu_memory: Bytes per GPU; adds a column telling whether the model state fits.
-
-    Raises:
-        ValueError: For bad numbers, precision or optimizer.
-
-    Examples:
-        >>> print(estimate_table(7.5e9, 64, gpu_memory=32 * 10**9))  # ZeRO paper, Figure 1
-        7.50B parameters on 64 ranks, mixed precision, adam: 2 + 2 + 12 bytes per parameter
-        stage  shards           strategies                                    params    grads ...
-        0      nothing          ddp, fsdp_no_shard                            15.00 GB  15.00 GB ...
-        1      optimizer state  zero1, oss, deepspeed_zero1                   15.00 GB  15.00 GB ...
-        2      + gradients      sharded_ddp, fsdp_grad_op, deepspeed_zero2    15.00 GB  0.23 GB ...
-        3      + parameters     fsdp, fsdp2, fairscale_fsdp, deepspeed_zero3  0.23 GB   0.23 GB ...
-    """
-    from fsdp_guide.compare import text_table
-    from fsdp_guide.memory import bytes_per_param, estimate_model_state
-
-    per = bytes_per_param(precision, optimizer)  # type: ignore[arg-type]
-    header = ["stage", "shards", "strategies", "params", "grads", "optimizer", "total"]
-    if gpu_memory is not None:
-        header.append(f"fits {gpu_memory / 1e9:.4g} GB")
-    rows = [header]
-    for stage, shards in enumerate(_SHARDS):
-        names = _strategies_of_stage(stage)
-        state = estimate_model_state(num_params, world_size, stage, precision, optimizer)  # type: ignore[arg-type]
-        cells = [str(stage), shards, names]
-        cells += [readable(b, "GB") for b in (state.params, state.grads, state.optimizer)]
-        cells.append(readable(state.total, "GB"))
-        if gpu_memory is not None:
-            cells.append("yes" if state.total <= gpu_memory else "no")
-        rows.append(cells)
-    title = (
-        f"{_count(num_params)} parameters on {world_size} ranks, {precision} precision, "
-        f"{optimizer}: {per.params} + {per.grads} + {per.optimizer} bytes per parameter"
-    )
-    return "\n".join([title, text_table(rows)])
-
-
-def readable(num_bytes: float, unit: str) -> str:
-    """``num_bytes`` in ``unit``, or in the unit that shows it when it is below 0.1 of it.
-
-    A column in GB would print a few megabytes as ``0.00 GB`` or ``0.01 GB``; those cells
-    switch to the unit that gives them three digits.
-
-    Examples:
-        >>> readable(2.5e9, "GB"), readable(12_000_000, "GB"), readable(0, "GB")
-        ('2.50 GB', '12.00 MB', '0.00 GB')
-    """
-    from fsdp_guide.memory import format_bytes
-
-    scale = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}.get(unit, 1)
-    if num_bytes and abs(num_bytes) < 0.1 * scale:
-        return format_bytes(num_bytes)
-    return format_bytes(num_bytes, unit)
-
-
-def _count(num_params: float) -> str:
-    """``7.50B``, ``350.00M`` or ``9,000``: a parameter count with the digits that matter."""
-    if num_params >= 1e9:
-        return f"{num_params / 1e9:.2f}B"
-    return f"{num_params / 1e6:.2f}M" if num_params >= 1e6 else f"{num_params:,.0f}"
-
-
 def _run(args: argparse.Namespace) -> int:
     from fsdp_guide.errors import CommandError
 
@@ -455,6 +368,8 @@ def _run(args: argparse.Namespace) -> int:
         from fsdp_guide.cli._estimate_model import run_model
 
         return run_model(args)
+    from fsdp_guide.cli._estimate_table import estimate_table
+
     table = estimate_table(
         args.params, args.world_size, args.precision, args.optimizer, args.gpu_memory
     )
