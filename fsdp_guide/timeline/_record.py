@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -161,11 +163,53 @@ def _native_stderr_closed() -> Iterator[None]:
         os.close(saved)
 
 
+#: Lines torch writes to file descriptor 2 during a recorded step that say nothing about
+#: it: the CPU allocator's notice that a block allocated before the profiler started (the
+#: model state, which ``state_before`` gives) was freed.
+_NOTICES = (b"allocated before the profiling started",)
+
+
+@contextmanager
+def _native_stderr_filtered(drop: tuple[bytes, ...] = _NOTICES) -> Iterator[None]:
+    """Pass what is written to file descriptor 2 on, line by line, without the lines that
+    hold one of ``drop``: torch's allocator logs them from native code, where Python's
+    warning filters do not reach, and a lesson's output would keep them, timestamped."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def relay() -> None:
+        with os.fdopen(read_end, "rb") as lines:
+            for line in lines:
+                if not any(notice in line for notice in drop):
+                    os.write(saved, line)
+
+    thread = threading.Thread(target=relay, name="fsdp_guide-stderr", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # closes the pipe's last write end: the relay reads to the end
+        thread.join()
+        os.close(saved)
+
+
 @contextmanager
 def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():  # the memory timeline export warns it is deprecated
-        warnings.simplefilter("ignore", FutureWarning)
-        yield
+    """The memory profile's own notices off: the deprecation of the timeline export, and
+    its log of allocations and frees it could not pair (a block freed by another thread)."""
+    logger = logging.getLogger("torch.profiler._memory_profiler")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def record_step(
@@ -217,7 +261,7 @@ def record_step(
     with _native_stderr_closed():
         profiler.start()
     try:
-        with _Marked():  # type: ignore[no-untyped-call]
+        with _native_stderr_filtered(), _Marked():  # type: ignore[no-untyped-call]
             with torch.profiler.record_function(f"{_MARK}forward"):
                 out = forward()
             with torch.profiler.record_function(f"{_MARK}backward"):
