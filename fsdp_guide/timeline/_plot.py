@@ -89,22 +89,18 @@ def plot_step(timeline: StepTimeline, title: str = "", path: str | Path | None =
         textcoords="offset points",
         fontsize=11,
     )
+    step_start = next((at(a) for n, a, _ in timeline.phases if n == "optimizer step"), len(xs))
+    shown = min(len(xs), max(step_start + _STEP_EVENTS, timeline.peak_index + 20))
     for name, start, end in timeline.phases:
+        first, last = at(start), min(at(end), shown)
         if name != "optimizer step":
-            top.axvspan(at(start), at(end), alpha=0.06, color="black")
-        top.text(
-            (at(start) + min(at(end), at(start) + _STEP_EVENTS)) / 2,
-            peak * 1.28,
-            name,
-            ha="center",
-            va="top",
-            fontsize=11,
-        )
+            top.axvspan(first, last, alpha=0.06, color="black")
+        top.text((first + last) / 2, peak * 1.27, name, ha="center", va="top", fontsize=11)
     top.set_ylabel("MiB allocated", fontsize=11)
     top.set_ylim(0, peak * 1.32)
-    top.legend(loc="upper center", bbox_to_anchor=(0.5, -0.48), fontsize=10, ncol=5, frameon=False)
+    top.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=10, ncol=5, frameon=False)
     if title:
-        top.set_title(title, fontsize=12)
+        figure.suptitle(title, fontsize=12)
     for event in timeline.collectives:
         start = at(event.start_us)
         lane.barh(
@@ -114,8 +110,7 @@ def plot_step(timeline: StepTimeline, title: str = "", path: str | Path | None =
             height=0.6,
             color="#D55E00",
         )
-    step_start = next((at(a) for n, a, _ in timeline.phases if n == "optimizer step"), len(xs))
-    lane.set_xlim(0, min(len(xs), step_start + _STEP_EVENTS))
+    lane.set_xlim(0, shown)
     lane.set_ylim(-0.6, 1.6)
     lane.set_yticks([0, 0.5, 1], ["reduce-scatter", "other", "all-gather"], fontsize=10)
     lane.set_xlabel("the allocator's events, in order", fontsize=11)

@@ -21,7 +21,16 @@ pytestmark = [
 ]
 
 LESSON_04 = "notebooks/04_fully_sharded_data_parallel.html"
-PAGES = [*site_layout.KEY_PAGES, "api/fsdp_guide.launcher.magic.html"]
+LESSON_11 = "notebooks/11_building_and_loading_big_models.html"
+LESSON_12 = "notebooks/12_sharded_checkpoints.html"
+# Lessons 11-14: their figures, tables and printed outputs, at a laptop's and a phone's width.
+LESSONS_11_TO_14 = [
+    LESSON_11,
+    LESSON_12,
+    "notebooks/13_one_step_in_time.html",
+    "notebooks/14_beyond_data_parallelism.html",
+]
+PAGES = [*site_layout.KEY_PAGES, "api/fsdp_guide.launcher.magic.html", *LESSONS_11_TO_14]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +49,8 @@ def test_no_output_scrolls_sideways_at_1280(layouts: dict, name: str) -> None:
     [
         (LESSON_04, "strategy | ZeRO | rank | params | grads | optimizer | measured | predicted"),
         ("guide/will_it_fit.html", "model |"),  # the table with the recommended column
+        (LESSON_11, "method | peak, rank 0 | peak, rank 1 | predicted"),
+        (LESSON_12, "checkpoint | written, rank 0 | written, rank 1 | predicted"),
     ],
 )
 def test_named_tables_fit_at_1280(layouts: dict, name: str, header: str) -> None:
