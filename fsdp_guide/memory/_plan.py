@@ -23,21 +23,19 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
 from torch import nn
 
-from fsdp_guide.catalog import get_strategy
-from fsdp_guide.comm import predict_communication
+from fsdp_guide.comm import CommPrediction, predict_communication
 from fsdp_guide.engines import (
     ModelShape,
     StepSizes,
     Transient,
     UnitPolicy,
     UnitRule,
-    engine_for,
     follows_units,
     model_shape,
     module_calls,
@@ -45,35 +43,19 @@ from fsdp_guide.engines import (
     unit_summary,
 )
 from fsdp_guide.errors import PlanError
-from fsdp_guide.launcher import check_world_size
+from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
+from fsdp_guide.memory._pp import combine, stage_requests
 from fsdp_guide.memory._predict import state_per_rank
-from fsdp_guide.memory._tp import (
-    check_sp,
-    check_tp,
-    cut_layers,
-    local_model,
-    sequence_parallel_model,
-    sp_elements,
-    tp_all_reduce_elements,
-    tp_plan_of,
-)
+from fsdp_guide.memory._request import PlanRequest, resolve
+from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._trace import (
     BatchBuilder,
     Checkpointing,
     ModelSource,
-    build_on_meta,
-    check_sizes,
     traced_activation_bytes,
 )
-from fsdp_guide.memory._zero import (
-    OptimizerName,
-    Precision,
-    bytes_per_param,
-)
-
-#: The most ranks :func:`plan` takes: it keeps a model state per rank.
-MAX_RANKS = 2**20
+from fsdp_guide.memory._zero import OptimizerName, Precision
 
 
 def unit_params(model: nn.Module, policy: UnitRule | UnitPolicy = "blocks") -> tuple[int, int]:
@@ -115,6 +97,14 @@ def plan(
     tp_plan: Mapping[str, str] | None = None,
     settings: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
+    pipeline_parallel: int = 1,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    stages_per_rank: int | None = None,
+    context_parallel: int = 1,
+    cp_layout: str = "zigzag",
+    expert_parallel: int = 1,
+    expert_routing: Sequence[Sequence[Any]] | None = None,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -158,6 +148,46 @@ def plan(
             all-reduce of each rowwise layer becomes a reduce-scatter, each cut module's input
             and the head's input are all-gathered, backward mirrors them, and the norms'
             replicated weights have their gradients all-reduced over ``tp``.
+        pipeline_parallel: Pipeline ranks, ``p``: the ranks form a ``(p, dp, tp)`` mesh and
+            the model, an ``nn.Sequential`` of layers (or a model whose ``pipeline_layers()``
+            returns one), is cut into ``p · v`` contiguous stages (equal numbers of layers,
+            the larger stages last), each rank holding its schedule's. ``batch_size`` is then
+            the batch of one pipeline (per data-parallel group), split into micro-batches.
+            Planned in fp32 with ``"fsdp2"`` over the data-parallel ranks (run, as torchtitan
+            does, with ``reshard_after_forward=False``), or ``"ddp"``/``"fsdp2"`` when there
+            is one data-parallel rank (no engine then). :attr:`Plan.pipeline` holds the
+            stages, the schedule and each pipeline rank's plan.
+        microbatches: Micro-batches per step, ``m`` (default ``p``); must divide
+            ``batch_size``.
+        schedule: ``"GPipe"``, ``"1F1B"`` (default), ``"Interleaved1F1B"``,
+            ``"InterleavedZeroBubble"`` or ``"ZBVZeroBubble"``, torch's schedules
+            (:func:`fsdp_guide.memory.pipeline_schedule`). The activations are the schedule's
+            peak: the micro-batches in flight on the rank's stages after the forward that
+            holds the most. With a split backward (the zero-bubble schedules) a micro-batch
+            counts until its weights' gradient; the input's half frees part of it earlier, so
+            there the figure is an upper bound.
+        stages_per_rank: Stages each pipeline rank holds, ``v``: 1 for GPipe and 1F1B, 2 by
+            default for the others.
+        context_parallel: Ranks per context-parallel group, ``c``: each computes
+            ``seq_len / c`` tokens of every sample and its attention is a ring
+            (:func:`fsdp_guide.parallel.ring_attention`). The groups are taken from the
+            data-parallel ranks, which the strategy still shards over (the ranks of a group
+            hold the same weights); ``batch_size`` is then per context-parallel group. Adds
+            the ring's ``send`` and ``recv`` per step.
+        cp_layout: How the sequence is cut over a context-parallel group: ``"zigzag"``
+            (chunks ``r`` and ``2c - 1 - r`` of ``2c``, balanced causal work) or ``"naive"``.
+        expert_parallel: Ranks per expert-parallel group, ``e``, within the data-parallel
+            ranks (``"fsdp2"`` only): each keeps ``E / e`` experts of every
+            mixture-of-experts layer, laid out over the ``dp / e`` ranks holding the same
+            ones, while the dense layers are sharded over all ``dp``; adds the all-to-alls
+            that route the tokens. Needs ``activations=`` (what a rank's experts compute
+            depends on the routing).
+        expert_routing: Tokens each rank of an expert-parallel group sends each expert,
+            ``[rank][expert]`` for every mixture-of-experts layer alike, or
+            ``[layer][rank][expert]``; ``None`` plans a balanced router
+            (each rank receives as many token copies as it sends). With a routing,
+            :attr:`Plan.all_to_all` gives each rank's payload and the communication is the
+            busiest rank's.
 
     Returns:
         A :class:`Plan`.
@@ -167,7 +197,9 @@ def plan(
             builder, CPU offload with a strategy that does not shard parameters; a
             tensor-parallel degree that does not divide the ranks or the cut layers, with a
             strategy other than ``"fsdp2"``, or without a plan; ``sequence_parallel``
-            without tensor parallelism or with a ``seq_len`` that does not divide by it.
+            without tensor parallelism or with a ``seq_len`` that does not divide by it; a
+            world that is not ``pp x dp x tp`` ranks, more stages than layers, micro-batches
+            that do not divide the batch, or a pipeline with what it is not planned with.
 
     Examples:
         >>> from fsdp_guide.memory import predict_model_state
@@ -189,104 +221,188 @@ def plan(
         ...
         fsdp_guide.errors.PlanError: unknown strategy 'zero4'; choose from ddp, zero1, oss, ...
     """
-    try:
-        spec = get_strategy(strategy)
-        engine = engine_for(spec)
-        if settings:
-            known = sorted(f.name for f in fields(engine))
-            unknown = sorted(set(settings) - set(known))
-            if unknown:
-                raise PlanError(
-                    f"{spec.name!r} runs on {engine.name}, which has no setting {unknown}; "
-                    f"its settings: {', '.join(known) or 'none'}"
-                )
-            engine = replace(engine, **settings)
-        check_world_size(world_size)
-        # Under autocast (DDP and the optimizers over it) the bf16 copies are the forward's
-        # own: parameters, gradients and DDP's buckets stay fp32, and so do their all-reduces.
-        autocast = precision == "mixed" and engine.mixed_precision == "autocast"
-        per = bytes_per_param("fp32" if autocast else precision, optimizer)
-    except ValueError as exc:
-        raise PlanError(str(exc)) from exc
-    if world_size > MAX_RANKS:  # a state per rank is kept: bound what that costs
-        raise PlanError(
-            f"world_size {world_size:,} is above the {MAX_RANKS:,} ranks plan() handles"
-        )
-    check_sizes(batch_size, seq_len)
-    if cpu_offload and engine.stage_at_step < 3:
-        raise PlanError(
-            f"cpu_offload needs a fully sharded strategy (fsdp, fsdp2, ...), not {spec.name!r}"
-        )
-    model = build_on_meta(model_or_builder)
-    num_params = sum(p.numel() for p in model.parameters())
-    if num_params == 0:
-        raise PlanError(f"{type(model).__name__} has no parameters to train")
-    tp = check_tp(engine, world_size, tensor_parallel)
-    sp = check_sp(sequence_parallel, tp, seq_len)
-    tp_payload: dict[str, int] = {}
-    if tp > 1:  # from here on, the model is what one rank of a tensor-parallel group computes
-        cut = cut_layers(model, tp, tp_plan_of(model, tp_plan))
-        if sp:
-            tp_payload = sp_elements(model, cut, batch_size, seq_len)
-            model = sequence_parallel_model(local_model(model, tp, cut), tp, cut)
-        else:
-            tp_payload = {"all_reduce": tp_all_reduce_elements(model, cut, batch_size, seq_len)}
-            model = local_model(model, tp, cut)
-    dp = world_size // tp
-    try:
-        names = unit_names(model, policy)
-        shape = model_shape(model, policy)
-    except ValueError as exc:
-        raise PlanError(str(exc)) from exc
-    local_params = shape.num_params
-    dp_ranks, exact = state_per_rank(engine, shape, dp, precision, optimizer)
-    ranks = tuple(dp_ranks[r // tp] for r in range(world_size))  # the mesh is row-major
-    state = max(ranks, key=lambda s: s.total)  # the first of the fullest
-    if activations is not None:
-        if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
-            raise PlanError(f"activations must be an int >= 0 bytes, got {activations!r}")
-    else:
-        activations = traced_activation_bytes(
-            model,
-            batch_size,
-            seq_len,
-            precision=precision,
-            activation_checkpointing=activation_checkpointing,
-            batch=batch,
-            mixed="params" if engine.mixed_precision == "params" else "autocast",
-        )
-    largest, root = _unit_sizes(shape)
-    transient = engine.transient(
-        param_bytes=per.params, grad_bytes=per.grads, num_params=local_params, largest_unit=largest
+    request = resolve(
+        model_or_builder,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        world_size=world_size,
+        strategy=strategy,
+        precision=precision,
+        activation_checkpointing=activation_checkpointing,
+        cpu_offload=cpu_offload,
+        batch=batch,
+        optimizer=optimizer,
+        activations=activations,
+        policy=policy,
+        tensor_parallel=tensor_parallel,
+        tp_plan=tp_plan,
+        settings=settings,
+        sequence_parallel=sequence_parallel,
+        pipeline_parallel=pipeline_parallel,
+        microbatches=microbatches,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
+        context_parallel=context_parallel,
+        cp_layout=cp_layout,
+        expert_parallel=expert_parallel,
+        expert_routing=expert_routing,
     )
-    dtype = "bf16" if precision == "mixed" and not autocast else "fp32"
-    communication = predict_communication(spec.name, local_params, dp, dtype, shape=shape)
-    if tp > 1:
-        # FSDP2's collectives over dp, tensor (and sequence) parallelism's over tp, by kind.
-        payload = dict(communication.payload)
-        for kind, elements in tp_payload.items():
-            payload[kind] = payload.get(kind, 0) + elements
-        communication = replace(
-            communication,
-            num_params=num_params,
-            world_size=world_size,
-            payload=payload,
-            group_sizes={**communication.group_sizes, "all_reduce": tp},
+    if request.pipeline_parallel > 1:
+        return _pipeline(request)
+    return _plan_request(request)[0]
+
+
+def _plan_request(request: PlanRequest) -> tuple[Plan, RankModel]:
+    """The plan of one request, and the model its rank computes."""
+    rank = rank_model(request)
+    shape, units = _units(request, rank)
+    ranks, exact = _model_state(request, shape, rank)
+    saved = _activations(request, rank)
+    communication = _communication(request, rank, shape)
+    sizes = _step_sizes(request, rank, shape, saved)
+    return _assemble(request, units, ranks, exact, sizes, communication, rank.all_to_all), rank
+
+
+def _pipeline(request: PlanRequest) -> Plan:
+    """A plan per pipeline rank (its stages, their engine), combined into one."""
+    subs = [_plan_request(r) for r in stage_requests(request)]
+    return combine(request, [p for p, _ in subs], [r.model for _, r in subs])
+
+
+def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
+    """The rank's model cut into units by the request's policy, and that cut in words for
+    an engine whose figures follow it."""
+    try:
+        names = unit_names(rank.model, request.policy)
+        shape = model_shape(rank.model, request.policy)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+    if not follows_units(request.engine):
+        return shape, ""
+    return shape, unit_summary(rank.model, names, request.policy)
+
+
+def _model_state(
+    request: PlanRequest, shape: ModelShape, rank: RankModel
+) -> tuple[tuple[ModelState, ...], bool]:
+    """Each rank's state after the optimizer step, and whether it is the engine's to the byte.
+
+    The engine lays the state out over the data-parallel ranks; the mesh is row-major, so
+    the ``tensor_parallel`` ranks of a group share their data-parallel rank's layout. Experts
+    laid out apart (expert parallelism) add the layout of the ranks holding the same ones.
+    """
+    by_dp, exact = state_per_rank(
+        request.engine, shape, request.data_parallel, request.precision, request.optimizer
+    )
+    tp, dp = request.tensor_parallel, request.data_parallel
+    states = [by_dp[r // tp % dp] for r in range(request.world_size)]
+    if rank.experts is not None:
+        by_group, exact_experts = state_per_rank(
+            request.engine, rank.experts, rank.expert_ranks, request.precision, request.optimizer
         )
-    sizes = StepSizes(
-        params=per.params * local_params,
-        grads=per.grads * local_params,
+        e = request.expert_parallel
+        states = [_add(s, by_group[(r // tp) // e]) for r, s in enumerate(states)]
+        exact = exact and exact_experts
+    return tuple(states), exact
+
+
+def _add(a: ModelState, b: ModelState) -> ModelState:
+    """Two states held together, field by field."""
+    return ModelState(
+        **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a) if f.init}
+    )
+
+
+def _activations(request: PlanRequest, rank: RankModel) -> int:
+    """The bytes autograd saves in the rank's forward: given, or traced on fake tensors."""
+    if request.activations is not None:
+        return request.activations
+    if request.pipeline_parallel > 1:  # the schedule's peak, set when the plans combine
+        return 0
+    return traced_activation_bytes(
+        rank.model,
+        request.batch_size,
+        rank.seq_len,
+        precision=request.precision,
+        activation_checkpointing=request.checkpointing,
+        batch=request.batch,
+        mixed="params" if request.engine.mixed_precision == "params" else "autocast",
+    )
+
+
+def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> CommPrediction:
+    """The engine's collectives over the data-parallel ranks, and those the cuts add."""
+    predicted = predict_communication(
+        request.strategy, shape.num_params, request.data_parallel, request.comm_dtype, shape=shape
+    )
+    if not rank.payload:
+        return predicted
+    added = dict(rank.payload)
+    if rank.experts is not None and rank.expert_ranks > 1:  # the experts' own shards
+        experts = predict_communication(
+            request.strategy,
+            rank.experts.num_params,
+            rank.expert_ranks,
+            request.comm_dtype,
+            shape=rank.experts,
+        )
+        for kind, elements in experts.payload.items():
+            added[kind] = added.get(kind, 0) + elements
+    payload = dict(predicted.payload)
+    for kind, elements in added.items():
+        payload[kind] = payload.get(kind, 0) + elements
+    # A kind the engine issues keeps its group; one only the cuts issue takes theirs.
+    groups = {k: g for k, g in rank.groups.items() if k not in predicted.payload}
+    return replace(
+        predicted,
+        num_params=sum(p.numel() for p in request.model.parameters()),
+        world_size=request.world_size,
+        payload=payload,
+        group_sizes={**predicted.group_sizes, **groups},
+    )
+
+
+def _step_sizes(
+    request: PlanRequest, rank: RankModel, shape: ModelShape, activations: int
+) -> StepSizes:
+    """The sizes the engine's step peak reads, in bytes."""
+    per = request.per_param
+    largest, root = _unit_sizes(shape)
+    return StepSizes(
+        params=per.params * shape.num_params,
+        grads=per.grads * shape.num_params,
         largest_unit=per.params * largest,
         largest_unit_grads=per.grads * largest,
         root_unit=per.params * root,
         activations=activations,
-        calls=module_calls(model),
+        calls=module_calls(rank.model),
         blocks=len(shape.units) - 1,
     )
-    peak = engine.step_peak(sizes, dp)
+
+
+def _assemble(
+    request: PlanRequest,
+    units: str,
+    ranks: tuple[ModelState, ...],
+    exact: bool,
+    sizes: StepSizes,
+    communication: CommPrediction,
+    all_to_all: tuple[int, ...] = (),
+) -> Plan:
+    """The :class:`Plan`: the fullest rank's state, what it keeps between steps, the engine's
+    transient buffer and step peak."""
+    engine, dp = request.engine, request.data_parallel
+    num_params = sum(p.numel() for p in request.model.parameters())
+    local_params = sizes.params // request.per_param.params
+    largest = sizes.largest_unit // request.per_param.params
+    per = request.per_param
+    transient = engine.transient(
+        param_bytes=per.params, grad_bytes=per.grads, num_params=local_params, largest_unit=largest
+    )
     gathered = engine.gathered(sizes, dp)
     if gathered is not None:  # what the engine gathers, known from the modules' order
         transient = Transient(bytes=gathered.peak, kind=gathered.kind)
+    state = max(ranks, key=lambda s: s.total)  # the first of the fullest
     between = tuple(
         replace(
             r,
@@ -296,25 +412,29 @@ def plan(
         for r in ranks
     )
     kept = between[ranks.index(state)].total
+    peak = engine.step_peak(sizes, dp)
     return Plan(
-        strategy=spec.name,
-        world_size=world_size,
+        strategy=request.strategy,
+        world_size=request.world_size,
         num_params=num_params,
-        precision=precision,
+        precision=request.precision,
         state=state,
-        activations=activations,
+        activations=sizes.activations,
         transient=transient.bytes,
         transient_kind=transient.kind,
         communication=communication,
-        cpu_offload=cpu_offload,
+        cpu_offload=request.cpu_offload,
         ranks=ranks,
         exact_state=exact,
         between_steps=between,
-        step_peak=(0 if cpu_offload else kept) + peak.bytes,
+        step_peak=(0 if request.cpu_offload else kept) + peak.bytes,
         step_peak_phase=peak.phase,
         step_peak_kind=peak.kind,
-        tensor_parallel=tp,
-        units=unit_summary(model, names, policy) if follows_units(engine) else "",
-        sequence_parallel=sp,
+        tensor_parallel=request.tensor_parallel,
+        units=units,
+        sequence_parallel=request.sequence_parallel,
         kept_params=0 if gathered is None else gathered.after_forward,
+        context_parallel=request.context_parallel,
+        expert_parallel=request.expert_parallel,
+        all_to_all=all_to_all,
     )

@@ -23,7 +23,6 @@ from collections.abc import Mapping
 
 from torch import Tensor, nn
 
-from fsdp_guide.engines import Engine
 from fsdp_guide.errors import PlanError
 
 Styles = Mapping[str, str]
@@ -104,25 +103,6 @@ def tp_all_reduce_elements(
     return total
 
 
-def check_tp(engine: Engine, world_size: int, tensor_parallel: int) -> int:
-    """``tensor_parallel``, checked: an int dividing the ranks, with plain FSDP2 on ``dp``."""
-    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int):
-        raise PlanError(f"tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
-    if tensor_parallel < 1 or world_size % tensor_parallel:
-        raise PlanError(
-            f"tensor_parallel={tensor_parallel} must be >= 1 and divide world_size={world_size}"
-        )
-    dp = world_size // tensor_parallel
-    # FSDP2 over the whole data-parallel dimension: no all-reduce of its own (HSDP has one).
-    hybrid = "all_reduce" in engine.collectives(dp, dp).payload
-    if tensor_parallel > 1 and (engine.name != "fsdp2" or hybrid):
-        raise PlanError(
-            "tensor parallelism is planned with strategy='fsdp2' on the other mesh "
-            f"dimension, not {engine.name!r}"
-        )
-    return tensor_parallel
-
-
 def tp_plan_of(model: nn.Module, tp_plan: Mapping[str, str] | None) -> Mapping[str, str]:
     """``tp_plan``, or the model's own ``tp_plan`` attribute."""
     found = tp_plan if tp_plan is not None else getattr(model, "tp_plan", None)
@@ -135,24 +115,6 @@ def tp_plan_of(model: nn.Module, tp_plan: Mapping[str, str] | None) -> Mapping[s
 
 #: The norms sequence parallelism runs on a rank's tokens, with replicated weights.
 NORMS = (nn.LayerNorm, nn.RMSNorm)
-
-
-def check_sp(sequence_parallel: bool, tp: int, seq_len: int) -> bool:
-    """``sequence_parallel``, checked: it needs ``tp > 1`` and a sequence that divides by it."""
-    if not isinstance(sequence_parallel, bool):
-        raise PlanError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
-    if sequence_parallel and tp == 1:
-        raise PlanError(
-            "sequence_parallel=True cuts the sequence over the tensor-parallel ranks: "
-            "pass tensor_parallel > 1 as well"
-        )
-    if sequence_parallel and seq_len % tp:
-        raise PlanError(
-            f"seq_len={seq_len} is not divisible by tensor_parallel={tp}: sequence "
-            "parallelism gives each rank seq_len / tensor_parallel tokens; choose a seq_len "
-            "that divides"
-        )
-    return sequence_parallel
 
 
 def _gathered(model: nn.Module, cut: Mapping[str, str]) -> dict[str, int]:

@@ -6,6 +6,10 @@ activations and temporaries allocated at every instant of the step, the phases, 
 collective (kind, payload bytes, start and end) on the same time axis. It can write the
 profiler's Chrome trace, which Perfetto (https://ui.perfetto.dev) opens. :func:`plot_step`
 draws a recorded step.
+
+:func:`record_units` follows an FSDP2 model's units instead: which of them hold their full
+parameters at each collective of a step, and which unit each all-gather and reduce-scatter
+serves; its :class:`UnitTimeline` draws them (lesson 04).
 """
 
 from __future__ import annotations
@@ -18,5 +22,16 @@ from fsdp_guide.timeline._record import (
     StepTimeline,
     record_step,
 )
+from fsdp_guide.timeline._units import UnitEvent, UnitTimeline, record_units
 
-__all__ = ["CATEGORIES", "PHASES", "CollectiveEvent", "StepTimeline", "plot_step", "record_step"]
+__all__ = [
+    "CATEGORIES",
+    "PHASES",
+    "CollectiveEvent",
+    "StepTimeline",
+    "UnitEvent",
+    "UnitTimeline",
+    "plot_step",
+    "record_step",
+    "record_units",
+]

@@ -13,17 +13,22 @@ from fsdp_guide.engines import wrap_for_strategy
 from fsdp_guide.memory import measure_model_state, plan
 from fsdp_guide.models import Block, build_model, loss_fn, shard_batch, synthetic_batch
 from fsdp_guide.timeline import record_step
-from fsdp_guide.wrap import LayerPolicy, shard
+from fsdp_guide.wrap import LayerPolicy, checkpoint_layers, shard
 
 # A run: (catalog strategy, the adapter's settings), each built as a lesson builds it.
 Run = tuple[str, dict[str, Any]]
 
 
-def build(strategy: str, settings: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
-    """The demo transformer wrapped for ``strategy``, and its Adam."""
+def build(
+    strategy: str, settings: dict[str, Any], checkpointing: bool = False, world_size: int = 2
+) -> tuple[torch.nn.Module, Any]:
+    """The demo transformer wrapped for ``strategy``, and its Adam; with ``checkpointing``,
+    each ``Block`` checkpointed first (PyTorch's non-reentrant wrapper, as lessons do)."""
     model = build_model("transformer")
+    if checkpointing:
+        checkpoint_layers(model, Block)
     if strategy == "deepspeed_zero3":  # the engine and its optimizer, as the package trains it
-        return wrap_for_strategy(model, strategy, world_size=2)
+        return wrap_for_strategy(model, strategy, world_size=world_size)
     if strategy in ("ddp", "zero1"):
         # The adapter's bucket setting (``True`` unless the run says ``False``, torch's default).
         view = settings.get("gradient_as_bucket_view", True)
@@ -57,7 +62,12 @@ Attempt = tuple[int, int, str]
 
 
 def measure_peaks(
-    rank: int, world_size: int, runs: list[Run], batch: int, attempts: int = ATTEMPTS
+    rank: int,
+    world_size: int,
+    runs: list[Run],
+    batch: int,
+    attempts: int = ATTEMPTS,
+    checkpointing: bool = False,
 ) -> list[list[Attempt]]:
     """For each run, ``attempts`` measurements of a steady step, each on a model built afresh.
 
@@ -72,7 +82,7 @@ def measure_peaks(
         # DeepSpeed's Python hooks make a profiled step slow; its peak varied by 8 bytes
         # over attempts (the gathered parameters dwarf gloo's lost releases): one will do.
         for _ in range(1 if strategy == "deepspeed_zero3" else attempts):
-            model, optimizer = build(strategy, settings)
+            model, optimizer = build(strategy, settings, checkpointing, world_size)
             data = shard_batch(synthetic_batch("transformer", batch), rank, world_size)
             for _ in range(2 if isinstance(model, DDP) else 1):
                 backward_and_step(model, optimizer, loss_fn(model, data))
@@ -102,7 +112,14 @@ def best_attempt(per_rank: list[list[Attempt]]) -> Attempt:
     return min(attempt for attempts in per_rank for attempt in attempts)
 
 
-def plan_run(strategy: str, settings: dict[str, Any], *, batch: int, world_size: int) -> Any:
+def plan_run(
+    strategy: str,
+    settings: dict[str, Any],
+    *,
+    batch: int,
+    world_size: int,
+    checkpointing: bool = False,
+) -> Any:
     """The planner's figures for the same run (``batch`` split over the ranks)."""
     return plan(
         build_model("transformer"),
@@ -111,4 +128,5 @@ def plan_run(strategy: str, settings: dict[str, Any], *, batch: int, world_size:
         world_size=world_size,
         strategy=strategy,
         settings=settings,
+        activation_checkpointing="blocks" if checkpointing else None,
     )
