@@ -120,7 +120,7 @@ def plan(
         cpu_offload: Keep the model state in CPU memory (fully sharded strategies only).
         batch: Builds ``(inputs, targets)`` of a batch; known for the demo models.
         optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
-        activations: Bytes already traced by :func:`traced_activation_bytes` for this model,
+        activations: Bytes already traced by ``traced_activation_bytes`` for this model,
             batch, precision and checkpointing: the trace is skipped (planning one model
             for many strategies traces it once).
         policy: How a fully sharded strategy cuts the model into units: ``"blocks"`` (a

@@ -6,7 +6,7 @@ matplotlib is imported when a step is drawn, not before.
 from __future__ import annotations
 
 import bisect
-from pathlib import Path
+import os
 from typing import Any
 
 from fsdp_guide.timeline._record import CATEGORIES, StepTimeline
@@ -25,7 +25,9 @@ _LANES = {"all_gather": 1.0, "reduce_scatter": 0.0}
 _STEP_EVENTS = 80
 
 
-def plot_step(timeline: StepTimeline, title: str = "", path: str | Path | None = None) -> Any:
+def plot_step(
+    timeline: StepTimeline, title: str = "", path: str | os.PathLike[str] | None = None
+) -> Any:
     """Draw one recorded step: the bytes of each category stacked over the step, the phases
     shaded, the peak marked, and every collective on the same axis underneath.
 

@@ -132,6 +132,21 @@ class StepTimeline:
             out[event.kind] = out.get(event.kind, 0) + event.bytes
         return out
 
+    def plot(self, title: str = "", path: str | os.PathLike[str] | None = None) -> Any:
+        """Draw the step: each category's bytes stacked over it, the phases shaded, the peak
+        marked, and every collective on the same axis underneath.
+
+        Args:
+            title: Drawn above the plot.
+            path: Where to write a PNG; ``None`` to only return the figure.
+
+        Returns:
+            The matplotlib ``Figure`` (matplotlib is imported here).
+        """
+        from fsdp_guide.timeline._plot import plot_step  # matplotlib only when drawing
+
+        return plot_step(self, title, path)
+
 
 class _Marked(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Runs each c10d op inside a ``record_function`` naming its kind and payload bytes."""
@@ -226,7 +241,7 @@ def record_step(
             on whether to record another step.
 
     Returns:
-        The :class:`StepTimeline`.
+        The step's timeline (a ``StepTimeline``).
 
     Raises:
         ValueError: For a category of ``state_before`` outside ``params``, ``grads``,

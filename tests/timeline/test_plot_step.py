@@ -1,4 +1,4 @@
-"""plot_step draws what a timeline holds: every collective, the phases, and the peak in view."""
+"""A recorded step's plot() draws every collective, the phases, and the peak in view."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from fsdp_guide.timeline import CATEGORIES, CollectiveEvent, StepTimeline, plot_step
+from fsdp_guide.timeline import CATEGORIES, CollectiveEvent, StepTimeline
 
 
 def _timeline(events: int, peak_at: int) -> StepTimeline:
@@ -31,7 +31,7 @@ def _timeline(events: int, peak_at: int) -> StepTimeline:
 
 
 def test_every_collective_is_drawn_on_its_row() -> None:
-    figure = plot_step(_timeline(90, peak_at=45), "step")
+    figure = _timeline(90, peak_at=45).plot("step")
     _, lane = figure.axes
     rows = sorted(bar.get_y() + bar.get_height() / 2 for bar in lane.patches)
     assert rows == [0.0, 0.5, 1.0]  # reduce-scatter, other, all-gather
@@ -40,6 +40,6 @@ def test_every_collective_is_drawn_on_its_row() -> None:
 def test_a_peak_late_in_the_optimizer_step_stays_in_view() -> None:
     # 900 events: the optimizer step starts at 600 and is cut 80 events in, unless the
     # peak is later.
-    figure = plot_step(_timeline(900, peak_at=800))
+    figure = _timeline(900, peak_at=800).plot()
     assert figure.axes[1].get_xlim()[1] >= 800
-    assert plot_step(_timeline(900, peak_at=100)).axes[1].get_xlim()[1] == 680
+    assert _timeline(900, peak_at=100).plot().axes[1].get_xlim()[1] == 680
