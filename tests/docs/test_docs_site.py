@@ -1,7 +1,8 @@
 """Checks over the built documentation site (docs/_build/html).
 
-CI builds the site with ``python -m sphinx -nW --keep-going`` before running pytest; when
-the HTML is missing or older than its sources, the fixture below builds it the same way.
+CI builds the site with ``python -m sphinx -nW --keep-going`` before running pytest and names
+it in ``FSDP_GUIDE_SITE``: the tests read that build. Without the variable, the fixture below
+builds the site the same way when the HTML is missing or older than its sources.
 The checks: every notebook has a page showing its stored outputs, every public name of
 ``fsdp_guide`` is in the API reference, every internal link and anchor resolves, and the
 pages generated from the repository (CLI help, benchmark tables) follow it.
@@ -84,8 +85,16 @@ def site() -> Path:
     """The built HTML site; built here (as CI builds it) when missing, stale or not clean.
 
     The build starts from a fresh environment (-E): an incremental build does not repeat
-    the warnings of pages it does not read again.
+    the warnings of pages it does not read again. ``FSDP_GUIDE_SITE`` names a site already
+    built from this checkout (CI's, built with the same command just before the tests).
     """
+    if built := os.environ.get("FSDP_GUIDE_SITE"):
+        path = Path(built)
+        assert (path / ".fsdp-docs-clean-build").exists(), (
+            f"FSDP_GUIDE_SITE={built} holds no clean build (no warning-free sphinx run wrote "
+            "it): build the docs there, or unset the variable to build them here"
+        )
+        return path
     if _site_is_stale():
         command = [sys.executable, "-m", "sphinx", "-nW", "--keep-going", "-E", "-q", "-b", "html"]
         env = {**os.environ, "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
