@@ -11,6 +11,8 @@ pages generated from the repository (CLI help, benchmark tables) follow it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import html
 import importlib
 import importlib.util
@@ -95,24 +97,40 @@ def site() -> Path:
             "it): build the docs there, or unset the variable to build them here"
         )
         return path
-    if _site_is_stale():
-        command = [sys.executable, "-m", "sphinx", "-nW", "--keep-going", "-E", "-q", "-b", "html"]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
-        started = time.monotonic()
-        done = subprocess.run(
-            [*command, str(DOCS), str(SITE)],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, f"docs build failed:\n{done.stdout}\n{done.stderr}"
-        # -q leaves only warnings on stderr; a Python warning printed there is one too.
-        assert done.stderr.strip() == "", f"the docs build printed:\n{done.stderr}"
-        assert not _site_is_stale(), "the build passed but left no clean-build marker"
-        print(f"built the docs in {time.monotonic() - started:.1f} s")
+    with _one_builder():
+        if _site_is_stale():
+            _build_site()
     return SITE
+
+
+@contextlib.contextmanager
+def _one_builder() -> Iterator[None]:
+    """Hold the build's lock: with ``pytest -n 2`` another worker may need the site too; it
+    waits here, then finds the site fresh."""
+    lock = DOCS / "_build" / ".site-build.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+
+
+def _build_site() -> None:
+    command = [sys.executable, "-m", "sphinx", "-nW", "--keep-going", "-E", "-q", "-b", "html"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
+    started = time.monotonic()
+    done = subprocess.run(
+        [*command, str(DOCS), str(SITE)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"docs build failed:\n{done.stdout}\n{done.stderr}"
+    # -q leaves only warnings on stderr; a Python warning printed there is one too.
+    assert done.stderr.strip() == "", f"the docs build printed:\n{done.stderr}"
+    assert not _site_is_stale(), "the build passed but left no clean-build marker"
+    print(f"built the docs in {time.monotonic() - started:.1f} s")
 
 
 @dataclass
