@@ -23,6 +23,7 @@ import os
 import platform
 import re
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -145,20 +146,25 @@ def whole_suite(ci: bool) -> int:
 
 def before_and_after(rev: str, part: str, args: list[str], logs: Path | None) -> int:
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args]
-    env = dict(os.environ)
+
+    def env(tree: Path) -> dict[str, str]:
+        # The tree's package in pytest, in the lessons' kernels (whose cwd is notebooks/) and
+        # in the ranks: an editable install would name this checkout's.
+        return {**os.environ, "PYTHONPATH": str(tree.resolve())}
+
     with tempfile.TemporaryDirectory() as scratch:
         tree = Path(scratch) / "before"
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
         try:
-            before = run(command, tree, env)  # its fsdp_guide and tests: it is the cwd
+            before = run(command, tree, env(tree))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=True)
-    after = run(command, Path.cwd(), env)
+    after = run(command, Path.cwd(), env(Path.cwd()))
     short = subprocess.run(
         ["git", "rev-parse", "--short", rev], capture_output=True, text=True, check=True
     ).stdout.strip()
     row = (
-        f"| {part} | `{' '.join(args)}` | {short}: {summary(before.log)} | {before.wall:.0f} s "
+        f"| {part} | `{shlex.join(args)}` | {short}: {summary(before.log)} | {before.wall:.0f} s "
         f"| {before.cpu:.0f} s | {summary(after.log)} | {after.wall:.0f} s | {after.cpu:.0f} s "
         f"| {1 - after.cpu / before.cpu:.0%} | {before.load[0]:.1f}-{before.load[1]:.1f}, "
         f"{after.load[0]:.1f}-{after.load[1]:.1f} |"
@@ -172,7 +178,7 @@ def before_and_after(rev: str, part: str, args: list[str], logs: Path | None) ->
     kept = [
         line
         for line in parts.get(PARTS, "").splitlines()
-        if line.startswith("| ") and not line.startswith(("| part ", f"| {part} |"))
+        if line.startswith("| ") and not line.startswith(("| part ", "| --- ", f"| {part} |"))
     ]
     parts[PARTS] = "\n".join([*PARTS_HEADER, *kept, row])
     write(parts)
