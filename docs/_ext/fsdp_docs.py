@@ -41,6 +41,8 @@ DOCS_LINK = re.compile(
     r"\[(?P<text>[^\]]+)\]\(\.\./docs/(?P<path>[^)#\s]+)(?:#(?P<anchor>[^)\s]+))?\)"
 )
 GLOSSARY_PAGE = "guide/glossary.md"
+# A result's figure, linked beside its table: ``![what it shows](name.svg)``.
+RESULT_FIGURE = re.compile(r"\]\(([A-Za-z0-9_]+\.svg)\)")
 
 
 def write_if_changed(path: Path, text: str) -> bool:
@@ -212,6 +214,9 @@ def generate_result_pages(results_dir: Path, generated_dir: Path, docs_dir: Path
             # title, or the reader sees the same heading twice.
             title, text = _split_title((results_dir / f"{name}.md").read_text(encoding="utf-8"))
             titles[name] = title or f"`{name}`"
+            # A figure beside the table (``![...](name.svg)``, as the repository shows it)
+            # is found from the docs folder, wherever the page including it sits.
+            text = RESULT_FIGURE.sub(r"](/_generated/results/\1)", text)
         else:
             text = (
                 "```{note}\n"
@@ -220,6 +225,9 @@ def generate_result_pages(results_dir: Path, generated_dir: Path, docs_dir: Path
                 "```\n"
             )
         write_if_changed(out / f"{name}.md", text)
+    # A result's figure (``![...](name.svg)`` in its table's page) travels with it.
+    for figure in results_dir.glob("*.svg") if results_dir.is_dir() else []:
+        write_bytes_if_changed(out / figure.name, figure.read_bytes())
     if committed:
         body = "\n".join(
             f"## {titles[name]}\n\nWritten by `benchmarks/{name}.py` to "

@@ -17,7 +17,7 @@ it with its own model and optimizer):
 
 The engine (plain module, DDP, ``ZeroRedundancyOptimizer``, FairScale OSS, ShardedDDP and
 FSDP, PyTorch FSDP1 and FSDP2, DeepSpeed) is read from the model and optimizer by
-:func:`fsdp_guide.engines.detect`; its adapter (:class:`fsdp_guide.engines.Engine`) moves its
+:func:`fsdp_guide.engines.engine_for`; its adapter (:class:`fsdp_guide.engines.Engine`) moves its
 state.
 
 A failure on any rank raises the same :class:`~fsdp_guide.errors.CheckpointError` on every
@@ -33,11 +33,10 @@ from __future__ import annotations
 
 from fsdp_guide.checkpoint._api import load, save
 from fsdp_guide.checkpoint._consolidate import consolidate
+from fsdp_guide.checkpoint._into_shards import load_full_state_dict
+from fsdp_guide.checkpoint._into_shards import read_full_state_dict as read_full_state_dict
 
-# Kept importable for code written against earlier versions: fsdp_guide.engines.detect names
-# the engine, fsdp_guide.errors documents the error.
-from fsdp_guide.checkpoint._detect import detect_strategy as detect_strategy
-from fsdp_guide.checkpoint._into_shards import load_full_state_dict, read_full_state_dict
+# Documented in fsdp_guide.errors; importable from here too, as the lessons catch it.
 from fsdp_guide.errors import CheckpointError as CheckpointError
 
-__all__ = ["consolidate", "load", "load_full_state_dict", "read_full_state_dict", "save"]
+__all__ = ["consolidate", "load", "load_full_state_dict", "save"]

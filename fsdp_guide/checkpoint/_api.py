@@ -85,8 +85,8 @@ def save(
             other files. Raised before anything is written.
         TypeError: ``extra`` holds something a ``weights_only`` load would refuse.
         CheckpointError: Writing failed on some rank; the previous checkpoint is intact.
-        CollectiveCallError: Some rank did not call it within a few seconds of the others
-            (``if rank == 0:`` around the call).
+        RuntimeError: ``CollectiveCallError``: Some rank did not call it within a few seconds of
+            the others (``if rank == 0:`` around the call).
 
     Examples:
         >>> import tempfile
@@ -142,7 +142,8 @@ def load(
             take (FairScale FSDP at another world size, ZeRO or OSS), parameter names or shapes
             that differ (listed), an optimizer state the checkpoint lacks, or one of another
             optimizer type (both named).
-        CollectiveCallError: Some rank did not call it within a few seconds of the others.
+        RuntimeError: ``CollectiveCallError``: Some rank did not call it within a few seconds of
+            the others.
 
     Examples:
         >>> import tempfile

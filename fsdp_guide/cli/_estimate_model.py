@@ -173,6 +173,19 @@ def _bf16_kind(strategy: str, precision: str) -> Literal["params", "autocast"]:
     return "params" if mixed else "autocast"
 
 
+def _pipeline_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``plan()``'s pipeline keywords from the command line (none without a pipeline)."""
+    pp = getattr(args, "pipeline_parallel", 1)
+    if pp == 1:
+        return {}
+    return {
+        "pipeline_parallel": pp,
+        "microbatches": args.microbatches,
+        "schedule": args.schedule,
+        "stages_per_rank": args.stages_per_rank,
+    }
+
+
 def run_model(args: argparse.Namespace) -> int:
     """Plan ``args.model`` for each strategy; print a table (or JSON) and a recommendation."""
     from fsdp_guide.catalog import STRATEGIES
@@ -183,7 +196,9 @@ def run_model(args: argparse.Namespace) -> int:
     from fsdp_guide.models import MLP
 
     tp = getattr(args, "tensor_parallel", 1)
-    names = args.strategy or (["fsdp2"] if tp > 1 else list(STRATEGIES))
+    pp = getattr(args, "pipeline_parallel", 1)
+    cp, ep = getattr(args, "context_parallel", 1), getattr(args, "expert_parallel", 1)
+    names = args.strategy or (["fsdp2"] if tp > 1 or pp > 1 or ep > 1 else list(STRATEGIES))
     plans: list[Plan] = []
     with_units = [name for name in names if follows_units(engine_for(name))]
     if args.wrap is not None and not with_units:
@@ -207,11 +222,11 @@ def run_model(args: argparse.Namespace) -> int:
             batch = example_batch(model, args.input or ())
             seq_len = args.seq_len or (default_seq_len(model) if batch.uses_seq_len else 1)
             # One trace serves every strategy that runs bf16 the same way (autocast, or cast
-            # parameters; in fp32 all are alike); with tensor parallelism, plan() traces the
-            # model as one rank cuts it.
+            # parameters; in fp32 all are alike); with tensor or context parallelism, plan()
+            # traces the model as one rank cuts it.
             traces: dict[str, int] = {}
             measured = getattr(args, "activations", None)  # stated: no trace
-            for name in names if tp == 1 and measured is None else []:
+            for name in names if tp == pp == cp == ep == 1 and measured is None else []:
                 kind = _bf16_kind(name, args.precision)
                 if kind not in traces:
                     traces[kind] = traced_activation_bytes(
@@ -237,7 +252,11 @@ def run_model(args: argparse.Namespace) -> int:
                     activations=measured or traces.get(_bf16_kind(name, args.precision)),
                     tensor_parallel=tp,
                     sequence_parallel=getattr(args, "sequence_parallel", False),
+                    context_parallel=cp,
+                    cp_layout=getattr(args, "cp_layout", "zigzag"),
+                    expert_parallel=ep,
                     batch=batch.build,
+                    **_pipeline_options(args),
                     policy=policy,
                 )
             )
@@ -270,7 +289,7 @@ def run_model(args: argparse.Namespace) -> int:
 def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 0.1) -> str:
     """One line per strategy, its fullest rank, and the recommendation when a GPU size is given.
 
-    The recommendation (:func:`~fsdp_guide.memory.recommend`) is the strategy that fits
+    The recommendation (``recommend``) is the strategy that fits
     (within ``gpu_memory`` less the margin) on the best-maintained engine (FSDP2 before FSDP1,
     both before FairScale), with the least communication per step, then the least memory;
     under it, the fine-tuning recipe of the repository's ``examples/recipes`` that trains

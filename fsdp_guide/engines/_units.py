@@ -210,7 +210,12 @@ def unit_shapes(model: nn.Module, names: Sequence[str]) -> tuple[tuple[tuple[int
 
 
 def model_shape(model: nn.Module, rule: UnitRule | UnitPolicy = "blocks") -> ModelShape:
-    """The :class:`~fsdp_guide.engines.ModelShape` of ``model`` cut into units by ``rule``.
+    """The shape of ``model`` cut into units by ``rule``: what the predictions are computed from.
+
+    Its ``units`` are the shape of each parameter of each unit, the root unit first (a
+    shared parameter is in one unit only); ``buffers`` the elements of the model's buffers,
+    which DDP broadcasts before every forward; ``num_params``, ``root_params`` and
+    ``shapes`` follow from them.
 
     Examples:
         >>> from fsdp_guide.models import TinyTransformer, TransformerConfig

@@ -23,8 +23,8 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import fields, replace
 from typing import Any
 
 from torch import nn
@@ -45,8 +45,9 @@ from fsdp_guide.engines import (
 from fsdp_guide.errors import PlanError
 from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
+from fsdp_guide.memory._pp import combine, stage_requests
 from fsdp_guide.memory._predict import state_per_rank
-from fsdp_guide.memory._request import MAX_RANKS, PlanRequest, resolve
+from fsdp_guide.memory._request import PlanRequest, resolve
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._trace import (
     BatchBuilder,
@@ -96,6 +97,14 @@ def plan(
     tp_plan: Mapping[str, str] | None = None,
     settings: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
+    pipeline_parallel: int = 1,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    stages_per_rank: int | None = None,
+    context_parallel: int = 1,
+    cp_layout: str = "zigzag",
+    expert_parallel: int = 1,
+    expert_routing: Sequence[Sequence[Any]] | None = None,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -111,7 +120,7 @@ def plan(
         cpu_offload: Keep the model state in CPU memory (fully sharded strategies only).
         batch: Builds ``(inputs, targets)`` of a batch; known for the demo models.
         optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
-        activations: Bytes already traced by :func:`traced_activation_bytes` for this model,
+        activations: Bytes already traced by ``traced_activation_bytes`` for this model,
             batch, precision and checkpointing: the trace is skipped (planning one model
             for many strategies traces it once).
         policy: How a fully sharded strategy cuts the model into units: ``"blocks"`` (a
@@ -139,6 +148,46 @@ def plan(
             all-reduce of each rowwise layer becomes a reduce-scatter, each cut module's input
             and the head's input are all-gathered, backward mirrors them, and the norms'
             replicated weights have their gradients all-reduced over ``tp``.
+        pipeline_parallel: Pipeline ranks, ``p``: the ranks form a ``(p, dp, tp)`` mesh and
+            the model, an ``nn.Sequential`` of layers (or a model whose ``pipeline_layers()``
+            returns one), is cut into ``p · v`` contiguous stages (equal numbers of layers,
+            the larger stages last), each rank holding its schedule's. ``batch_size`` is then
+            the batch of one pipeline (per data-parallel group), split into micro-batches.
+            Planned in fp32 with ``"fsdp2"`` over the data-parallel ranks (run, as torchtitan
+            does, with ``reshard_after_forward=False``), or ``"ddp"``/``"fsdp2"`` when there
+            is one data-parallel rank (no engine then). :attr:`Plan.pipeline` holds the
+            stages, the schedule and each pipeline rank's plan.
+        microbatches: Micro-batches per step, ``m`` (default ``p``); must divide
+            ``batch_size``.
+        schedule: ``"GPipe"``, ``"1F1B"`` (default), ``"Interleaved1F1B"``,
+            ``"InterleavedZeroBubble"`` or ``"ZBVZeroBubble"``, torch's schedules
+            (:func:`fsdp_guide.memory.pipeline_schedule`). The activations are the schedule's
+            peak: the micro-batches in flight on the rank's stages after the forward that
+            holds the most. With a split backward (the zero-bubble schedules) a micro-batch
+            counts until its weights' gradient; the input's half frees part of it earlier, so
+            there the figure is an upper bound.
+        stages_per_rank: Stages each pipeline rank holds, ``v``: 1 for GPipe and 1F1B, 2 by
+            default for the others.
+        context_parallel: Ranks per context-parallel group, ``c``: each computes
+            ``seq_len / c`` tokens of every sample and its attention is a ring
+            (:func:`fsdp_guide.parallel.ring_attention`). The groups are taken from the
+            data-parallel ranks, which the strategy still shards over (the ranks of a group
+            hold the same weights); ``batch_size`` is then per context-parallel group. Adds
+            the ring's ``send`` and ``recv`` per step.
+        cp_layout: How the sequence is cut over a context-parallel group: ``"zigzag"``
+            (chunks ``r`` and ``2c - 1 - r`` of ``2c``, balanced causal work) or ``"naive"``.
+        expert_parallel: Ranks per expert-parallel group, ``e``, within the data-parallel
+            ranks (``"fsdp2"`` only): each keeps ``E / e`` experts of every
+            mixture-of-experts layer, laid out over the ``dp / e`` ranks holding the same
+            ones, while the dense layers are sharded over all ``dp``; adds the all-to-alls
+            that route the tokens. Needs ``activations=`` (what a rank's experts compute
+            depends on the routing).
+        expert_routing: Tokens each rank of an expert-parallel group sends each expert,
+            ``[rank][expert]`` for every mixture-of-experts layer alike, or
+            ``[layer][rank][expert]``; ``None`` plans a balanced router
+            (each rank receives as many token copies as it sends). With a routing,
+            :attr:`Plan.all_to_all` gives each rank's payload and the communication is the
+            busiest rank's.
 
     Returns:
         A :class:`Plan`.
@@ -148,7 +197,9 @@ def plan(
             builder, CPU offload with a strategy that does not shard parameters; a
             tensor-parallel degree that does not divide the ranks or the cut layers, with a
             strategy other than ``"fsdp2"``, or without a plan; ``sequence_parallel``
-            without tensor parallelism or with a ``seq_len`` that does not divide by it.
+            without tensor parallelism or with a ``seq_len`` that does not divide by it; a
+            world that is not ``pp x dp x tp`` ranks, more stages than layers, micro-batches
+            that do not divide the batch, or a pipeline with what it is not planned with.
 
     Examples:
         >>> from fsdp_guide.memory import predict_model_state
@@ -187,14 +238,35 @@ def plan(
         tp_plan=tp_plan,
         settings=settings,
         sequence_parallel=sequence_parallel,
+        pipeline_parallel=pipeline_parallel,
+        microbatches=microbatches,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
+        context_parallel=context_parallel,
+        cp_layout=cp_layout,
+        expert_parallel=expert_parallel,
+        expert_routing=expert_routing,
     )
+    if request.pipeline_parallel > 1:
+        return _pipeline(request)
+    return _plan_request(request)[0]
+
+
+def _plan_request(request: PlanRequest) -> tuple[Plan, RankModel]:
+    """The plan of one request, and the model its rank computes."""
     rank = rank_model(request)
     shape, units = _units(request, rank)
-    ranks, exact = _model_state(request, shape)
+    ranks, exact = _model_state(request, shape, rank)
     saved = _activations(request, rank)
     communication = _communication(request, rank, shape)
     sizes = _step_sizes(request, rank, shape, saved)
-    return _assemble(request, units, ranks, exact, sizes, communication)
+    return _assemble(request, units, ranks, exact, sizes, communication, rank.all_to_all), rank
+
+
+def _pipeline(request: PlanRequest) -> Plan:
+    """A plan per pipeline rank (its stages, their engine), combined into one."""
+    subs = [_plan_request(r) for r in stage_requests(request)]
+    return combine(request, [p for p, _ in subs], [r.model for _, r in subs])
 
 
 def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
@@ -210,27 +282,47 @@ def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
     return shape, unit_summary(rank.model, names, request.policy)
 
 
-def _model_state(request: PlanRequest, shape: ModelShape) -> tuple[tuple[ModelState, ...], bool]:
+def _model_state(
+    request: PlanRequest, shape: ModelShape, rank: RankModel
+) -> tuple[tuple[ModelState, ...], bool]:
     """Each rank's state after the optimizer step, and whether it is the engine's to the byte.
 
     The engine lays the state out over the data-parallel ranks; the mesh is row-major, so
-    the ``tensor_parallel`` ranks of a group share their data-parallel rank's layout.
+    the ``tensor_parallel`` ranks of a group share their data-parallel rank's layout. Experts
+    laid out apart (expert parallelism) add the layout of the ranks holding the same ones.
     """
     by_dp, exact = state_per_rank(
         request.engine, shape, request.data_parallel, request.precision, request.optimizer
     )
-    tp = request.tensor_parallel
-    return tuple(by_dp[r // tp] for r in range(request.world_size)), exact
+    tp, dp = request.tensor_parallel, request.data_parallel
+    states = [by_dp[r // tp % dp] for r in range(request.world_size)]
+    if rank.experts is not None:
+        by_group, exact_experts = state_per_rank(
+            request.engine, rank.experts, rank.expert_ranks, request.precision, request.optimizer
+        )
+        e = request.expert_parallel
+        states = [_add(s, by_group[(r // tp) // e]) for r, s in enumerate(states)]
+        exact = exact and exact_experts
+    return tuple(states), exact
+
+
+def _add(a: ModelState, b: ModelState) -> ModelState:
+    """Two states held together, field by field."""
+    return ModelState(
+        **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a) if f.init}
+    )
 
 
 def _activations(request: PlanRequest, rank: RankModel) -> int:
     """The bytes autograd saves in the rank's forward: given, or traced on fake tensors."""
     if request.activations is not None:
         return request.activations
+    if request.pipeline_parallel > 1:  # the schedule's peak, set when the plans combine
+        return 0
     return traced_activation_bytes(
         rank.model,
         request.batch_size,
-        request.seq_len,
+        rank.seq_len,
         precision=request.precision,
         activation_checkpointing=request.checkpointing,
         batch=request.batch,
@@ -245,8 +337,19 @@ def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> 
     )
     if not rank.payload:
         return predicted
+    added = dict(rank.payload)
+    if rank.experts is not None and rank.expert_ranks > 1:  # the experts' own shards
+        experts = predict_communication(
+            request.strategy,
+            rank.experts.num_params,
+            rank.expert_ranks,
+            request.comm_dtype,
+            shape=rank.experts,
+        )
+        for kind, elements in experts.payload.items():
+            added[kind] = added.get(kind, 0) + elements
     payload = dict(predicted.payload)
-    for kind, elements in rank.payload.items():
+    for kind, elements in added.items():
         payload[kind] = payload.get(kind, 0) + elements
     # A kind the engine issues keeps its group; one only the cuts issue takes theirs.
     groups = {k: g for k, g in rank.groups.items() if k not in predicted.payload}
@@ -284,6 +387,7 @@ def _assemble(
     exact: bool,
     sizes: StepSizes,
     communication: CommPrediction,
+    all_to_all: tuple[int, ...] = (),
 ) -> Plan:
     """The :class:`Plan`: the fullest rank's state, what it keeps between steps, the engine's
     transient buffer and step peak."""
@@ -330,4 +434,7 @@ def _assemble(
         units=units,
         sequence_parallel=request.sequence_parallel,
         kept_params=0 if gathered is None else gathered.after_forward,
+        context_parallel=request.context_parallel,
+        expert_parallel=request.expert_parallel,
+        all_to_all=all_to_all,
     )

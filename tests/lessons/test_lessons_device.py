@@ -311,6 +311,14 @@ NO_TRAINING = {
     # a package function (fsdp_guide.parallel), device=None meaning rank_device(), tested
     # on 4 ranks in tests/parallel
     ("14_beyond_data_parallelism.ipynb", "train_2d"),
+    # package functions (fsdp_guide.parallel), device=None meaning rank_device(), tested on 2
+    # and 4 ranks in tests/parallel; and checks that train nothing (attention on random
+    # tensors, a router's routing)
+    ("17_context_and_expert_parallelism.ipynb", "train_context_parallel"),
+    ("17_context_and_expert_parallelism.ipynb", "train_expert_parallel"),
+    ("17_context_and_expert_parallelism.ipynb", "ring_check"),
+    ("17_context_and_expert_parallelism.ipynb", "ring_timeline"),
+    ("17_context_and_expert_parallelism.ipynb", "route"),
 }
 
 
