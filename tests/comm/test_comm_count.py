@@ -146,9 +146,7 @@ def _count_with_hook(rank: int, world_size: int, hook: str, all_threads: bool = 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("hook", ["none", "thread", "powersgd"])
 def test_collectives_from_other_threads_are_reported_never_silently_short(hook: str) -> None:
-    stats = launch(
-        _count_with_hook, 2, args=(hook,), backend="gloo", start_method="fork", timeout=120
-    )
+    stats = launch(_count_with_hook, 2, args=(hook,), backend="gloo", timeout=120)
     for rank_stats in stats:
         if hook == "none":
             assert rank_stats.complete and rank_stats.unseen_calls == 0
@@ -168,9 +166,7 @@ def test_collectives_from_other_threads_are_reported_never_silently_short(hook: 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("hook", ["none", "thread", "powersgd"])
 def test_all_threads_counts_what_hook_threads_send(hook: str) -> None:
-    stats = launch(
-        _count_with_hook, 2, args=(hook, True), backend="gloo", start_method="fork", timeout=120
-    )
+    stats = launch(_count_with_hook, 2, args=(hook, True), backend="gloo", timeout=120)
     for rank_stats in stats:
         assert rank_stats.complete and rank_stats.unseen_calls == 0, rank_stats.reason
         if hook in ("none", "thread"):  # one bucket, all-reduced whole on either thread
@@ -194,7 +190,7 @@ def _bucket_state(rank: int, world_size: int, view: bool) -> tuple[int, int, int
 @pytest.mark.timeout(200)
 def test_gradient_as_bucket_view_saves_one_gradient_copy() -> None:
     (view, _), (copy, _) = (
-        launch(_bucket_state, 2, args=(flag,), backend="gloo", start_method="fork", timeout=120)
+        launch(_bucket_state, 2, args=(flag,), backend="gloo", timeout=120)
         for flag in (True, False)
     )
     assert view == (4 * PSI, 0, 8 * PSI)
