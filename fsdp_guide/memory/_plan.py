@@ -22,39 +22,19 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, replace
 from typing import Any
 
 from torch import nn
 
-from fsdp_guide.comm import CommPrediction, predict_communication
-from fsdp_guide.engines import (
-    ModelShape,
-    StepSizes,
-    Transient,
-    UnitPolicy,
-    UnitRule,
-    follows_units,
-    model_shape,
-    module_calls,
-    unit_names,
-    unit_summary,
-)
-from fsdp_guide.errors import PlanError
+from fsdp_guide.engines import UnitPolicy, UnitRule, model_shape
+from fsdp_guide.memory import _plan_steps as steps
 from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
+from fsdp_guide.memory._plan_steps import unit_sizes
 from fsdp_guide.memory._pp import combine, stage_requests
-from fsdp_guide.memory._predict import state_per_rank
 from fsdp_guide.memory._request import PlanRequest, resolve
-from fsdp_guide.memory._state import ModelState
-from fsdp_guide.memory._trace import (
-    BatchBuilder,
-    Checkpointing,
-    ModelSource,
-    traced_activation_bytes,
-)
+from fsdp_guide.memory._trace import BatchBuilder, Checkpointing, ModelSource
 from fsdp_guide.memory._zero import OptimizerName, Precision
 
 
@@ -71,12 +51,7 @@ def unit_params(model: nn.Module, policy: UnitRule | UnitPolicy = "blocks") -> t
         >>> unit_params(model), unit_params(model, "root")
         ((17472, 17472), (42880, 42880))
     """
-    return _unit_sizes(model_shape(model, policy))
-
-
-def _unit_sizes(shape: ModelShape) -> tuple[int, int]:
-    sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
-    return max(sizes), sizes[0]
+    return unit_sizes(model_shape(model, policy))
 
 
 def plan(
@@ -97,6 +72,10 @@ def plan(
     tp_plan: Mapping[str, str] | None = None,
     settings: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
+    foreach: bool = True,
+    gpus_per_node: int | None = None,
+    reduce_dtype: str | None = None,
+    grad_accumulation: int = 1,
     pipeline_parallel: int = 1,
     microbatches: int | None = None,
     schedule: str | None = None,
@@ -119,7 +98,8 @@ def plan(
         activation_checkpointing: ``None``, ``"blocks"`` (each ``Block``) or a layer class.
         cpu_offload: Keep the model state in CPU memory (fully sharded strategies only).
         batch: Builds ``(inputs, targets)`` of a batch; known for the demo models.
-        optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
+        optimizer: ``"adam"``, ``"adamw"`` (planned as Adam: AdamW's decoupled weight
+            decay keeps no state of its own), ``"sgd"`` or ``"sgd_momentum"``.
         activations: Bytes already traced by ``traced_activation_bytes`` for this model,
             batch, precision and checkpointing: the trace is skipped (planning one model
             for many strategies traces it once).
@@ -148,6 +128,21 @@ def plan(
             all-reduce of each rowwise layer becomes a reduce-scatter, each cut module's input
             and the head's input are all-gathered, backward mirrors them, and the norms'
             replicated weights have their gradients all-reduced over ``tp``.
+        foreach: How the optimizer steps: ``True`` (torch's default on CUDA) every tensor at
+            once, which allocates a temporary as large as the tensors it steps; ``False``
+            (its default on CPU) one tensor at a time, two temporaries of the largest.
+        gpus_per_node: GPUs of a node. HSDP (``"fsdp2_hybrid"``, ``"fsdp_hybrid"``) then
+            shards within a node and replicates across nodes (without it, in the row's
+            groups of 2); the communication says which collectives cross nodes.
+        reduce_dtype: What the gradients are reduced in under ``precision="mixed"``:
+            ``"fp32"`` (the default, as the guide's FSDP2 scripts set
+            ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``, for every engine alike) or
+            ``"bf16"`` (DeepSpeed's own default, its ``communication_data_type``, and FSDP's
+            when ``reduce_dtype`` is not set). Autocast's gradients are fp32 whatever is asked.
+        grad_accumulation: Micro-batches of ``batch_size`` per optimizer step: the gradients of
+            the first stay held through the others, and an engine that reduces every
+            micro-batch (FSDP, DeepSpeed ZeRO-2/3) sends its collectives each time (DDP and
+            ZeRO-1 under ``no_sync`` once per step).
         pipeline_parallel: Pipeline ranks, ``p``: the ranks form a ``(p, dp, tp)`` mesh and
             the model, an ``nn.Sequential`` of layers (or a model whose ``pipeline_layers()``
             returns one), is cut into ``p · v`` contiguous stages (equal numbers of layers,
@@ -238,6 +233,10 @@ def plan(
         tp_plan=tp_plan,
         settings=settings,
         sequence_parallel=sequence_parallel,
+        foreach=foreach,
+        gpus_per_node=gpus_per_node,
+        reduce_dtype=reduce_dtype,
+        grad_accumulation=grad_accumulation,
         pipeline_parallel=pipeline_parallel,
         microbatches=microbatches,
         schedule=schedule,
@@ -255,186 +254,18 @@ def plan(
 def _plan_request(request: PlanRequest) -> tuple[Plan, RankModel]:
     """The plan of one request, and the model its rank computes."""
     rank = rank_model(request)
-    shape, units = _units(request, rank)
-    ranks, exact = _model_state(request, shape, rank)
-    saved = _activations(request, rank)
-    communication = _communication(request, rank, shape)
-    sizes = _step_sizes(request, rank, shape, saved)
-    return _assemble(request, units, ranks, exact, sizes, communication, rank.all_to_all), rank
+    shape, units = steps.units(request, rank)
+    ranks, hosts, exact = steps.model_state(request, shape, rank)
+    profile = steps.activations(request, rank)
+    communication = steps.communication(request, rank, shape)
+    sizes = steps.step_sizes(request, rank, shape, profile, ranks)
+    return (
+        steps.assemble(request, units, ranks, hosts, exact, sizes, communication, rank.all_to_all),
+        rank,
+    )
 
 
 def _pipeline(request: PlanRequest) -> Plan:
     """A plan per pipeline rank (its stages, their engine), combined into one."""
     subs = [_plan_request(r) for r in stage_requests(request)]
     return combine(request, [p for p, _ in subs], [r.model for _, r in subs])
-
-
-def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
-    """The rank's model cut into units by the request's policy, and that cut in words for
-    an engine whose figures follow it."""
-    try:
-        names = unit_names(rank.model, request.policy)
-        shape = model_shape(rank.model, request.policy)
-    except ValueError as exc:
-        raise PlanError(str(exc)) from exc
-    if not follows_units(request.engine):
-        return shape, ""
-    return shape, unit_summary(rank.model, names, request.policy)
-
-
-def _model_state(
-    request: PlanRequest, shape: ModelShape, rank: RankModel
-) -> tuple[tuple[ModelState, ...], bool]:
-    """Each rank's state after the optimizer step, and whether it is the engine's to the byte.
-
-    The engine lays the state out over the data-parallel ranks; the mesh is row-major, so
-    the ``tensor_parallel`` ranks of a group share their data-parallel rank's layout. Experts
-    laid out apart (expert parallelism) add the layout of the ranks holding the same ones.
-    """
-    by_dp, exact = state_per_rank(
-        request.engine, shape, request.data_parallel, request.precision, request.optimizer
-    )
-    tp, dp = request.tensor_parallel, request.data_parallel
-    states = [by_dp[r // tp % dp] for r in range(request.world_size)]
-    if rank.experts is not None:
-        by_group, exact_experts = state_per_rank(
-            request.engine, rank.experts, rank.expert_ranks, request.precision, request.optimizer
-        )
-        e = request.expert_parallel
-        states = [_add(s, by_group[(r // tp) // e]) for r, s in enumerate(states)]
-        exact = exact and exact_experts
-    return tuple(states), exact
-
-
-def _add(a: ModelState, b: ModelState) -> ModelState:
-    """Two states held together, field by field."""
-    return ModelState(
-        **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a) if f.init}
-    )
-
-
-def _activations(request: PlanRequest, rank: RankModel) -> int:
-    """The bytes autograd saves in the rank's forward: given, or traced on fake tensors."""
-    if request.activations is not None:
-        return request.activations
-    if request.pipeline_parallel > 1:  # the schedule's peak, set when the plans combine
-        return 0
-    return traced_activation_bytes(
-        rank.model,
-        request.batch_size,
-        rank.seq_len,
-        precision=request.precision,
-        activation_checkpointing=request.checkpointing,
-        batch=request.batch,
-        mixed="params" if request.engine.mixed_precision == "params" else "autocast",
-    )
-
-
-def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> CommPrediction:
-    """The engine's collectives over the data-parallel ranks, and those the cuts add."""
-    predicted = predict_communication(
-        request.strategy, shape.num_params, request.data_parallel, request.comm_dtype, shape=shape
-    )
-    if not rank.payload:
-        return predicted
-    added = dict(rank.payload)
-    if rank.experts is not None and rank.expert_ranks > 1:  # the experts' own shards
-        experts = predict_communication(
-            request.strategy,
-            rank.experts.num_params,
-            rank.expert_ranks,
-            request.comm_dtype,
-            shape=rank.experts,
-        )
-        for kind, elements in experts.payload.items():
-            added[kind] = added.get(kind, 0) + elements
-    payload = dict(predicted.payload)
-    for kind, elements in added.items():
-        payload[kind] = payload.get(kind, 0) + elements
-    # A kind the engine issues keeps its group; one only the cuts issue takes theirs.
-    groups = {k: g for k, g in rank.groups.items() if k not in predicted.payload}
-    return replace(
-        predicted,
-        num_params=sum(p.numel() for p in request.model.parameters()),
-        world_size=request.world_size,
-        payload=payload,
-        group_sizes={**predicted.group_sizes, **groups},
-    )
-
-
-def _step_sizes(
-    request: PlanRequest, rank: RankModel, shape: ModelShape, activations: int
-) -> StepSizes:
-    """The sizes the engine's step peak reads, in bytes."""
-    per = request.per_param
-    largest, root = _unit_sizes(shape)
-    return StepSizes(
-        params=per.params * shape.num_params,
-        grads=per.grads * shape.num_params,
-        largest_unit=per.params * largest,
-        largest_unit_grads=per.grads * largest,
-        root_unit=per.params * root,
-        activations=activations,
-        calls=module_calls(rank.model),
-        blocks=len(shape.units) - 1,
-    )
-
-
-def _assemble(
-    request: PlanRequest,
-    units: str,
-    ranks: tuple[ModelState, ...],
-    exact: bool,
-    sizes: StepSizes,
-    communication: CommPrediction,
-    all_to_all: tuple[int, ...] = (),
-) -> Plan:
-    """The :class:`Plan`: the fullest rank's state, what it keeps between steps, the engine's
-    transient buffer and step peak."""
-    engine, dp = request.engine, request.data_parallel
-    num_params = sum(p.numel() for p in request.model.parameters())
-    local_params = sizes.params // request.per_param.params
-    largest = sizes.largest_unit // request.per_param.params
-    per = request.per_param
-    transient = engine.transient(
-        param_bytes=per.params, grad_bytes=per.grads, num_params=local_params, largest_unit=largest
-    )
-    gathered = engine.gathered(sizes, dp)
-    if gathered is not None:  # what the engine gathers, known from the modules' order
-        transient = Transient(bytes=gathered.peak, kind=gathered.kind)
-    state = max(ranks, key=lambda s: s.total)  # the first of the fullest
-    between = tuple(
-        replace(
-            r,
-            grads=r.grads if engine.grads_between_steps else 0,
-            buckets=r.buckets if engine.buckets_between_steps else 0,
-        )
-        for r in ranks
-    )
-    kept = between[ranks.index(state)].total
-    peak = engine.step_peak(sizes, dp)
-    return Plan(
-        strategy=request.strategy,
-        world_size=request.world_size,
-        num_params=num_params,
-        precision=request.precision,
-        state=state,
-        activations=sizes.activations,
-        transient=transient.bytes,
-        transient_kind=transient.kind,
-        communication=communication,
-        cpu_offload=request.cpu_offload,
-        ranks=ranks,
-        exact_state=exact,
-        between_steps=between,
-        step_peak=(0 if request.cpu_offload else kept) + peak.bytes,
-        step_peak_phase=peak.phase,
-        step_peak_kind=peak.kind,
-        tensor_parallel=request.tensor_parallel,
-        units=units,
-        sequence_parallel=request.sequence_parallel,
-        kept_params=0 if gathered is None else gathered.after_forward,
-        context_parallel=request.context_parallel,
-        expert_parallel=request.expert_parallel,
-        all_to_all=all_to_all,
-    )
