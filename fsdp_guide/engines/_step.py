@@ -76,6 +76,12 @@ class Stretch:
             gradients flowing back, a checkpointed unit's forward run again.
         grads: Bytes of the parameter gradients it produces, at the gradients' precision.
         largest_grad: Bytes of the largest of them.
+        moments: The stretch in moments, one per gradient it produces: ``(activations,
+            gradients)``, the most activation bytes held from one gradient made to the
+            next, and the bytes of its gradients made by then. Backward makes a layer's
+            weight gradient after the gradient flowing into it: the loss's backward holds
+            its logits' gradient at its peak, before the head's weight gradient exists.
+            Empty where not traced.
 
     Examples:
         >>> Stretch(unit=True, start=10, peak=25, grads=8, largest_grad=6).peak
@@ -87,6 +93,42 @@ class Stretch:
     peak: int
     grads: int
     largest_grad: int
+    moments: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def held(self) -> int:
+        """The most activation and gradient bytes held at once during the stretch: at
+        each moment, its activations and the gradients made so far; its peak and all its
+        gradients where its moments are not traced.
+
+        Examples:
+            >>> Stretch(unit=False, start=10, peak=25, grads=8, largest_grad=8,
+            ...         moments=((25, 0), (12, 8))).held  # the peak comes before the gradient
+            25
+            >>> Stretch(unit=False, start=10, peak=25, grads=8, largest_grad=8).held
+            33
+        """
+        if not self.moments:
+            return self.peak + self.grads
+        return max(a + g for a, g in self.moments)
+
+    @property
+    def fresh(self) -> int:
+        """The most activation bytes held at once during the stretch with the gradient made
+        then (autograd's fresh gradient, before it is added to one kept elsewhere); its
+        peak and its largest gradient where its moments are not traced.
+
+        Examples:
+            >>> Stretch(unit=False, start=10, peak=25, grads=8, largest_grad=6,
+            ...         moments=((25, 0), (20, 2), (12, 8))).fresh  # 25, 20 + 2, 12 + 6
+            25
+            >>> Stretch(unit=False, start=10, peak=25, grads=8, largest_grad=6).fresh
+            31
+        """
+        if not self.moments:
+            return self.peak + self.largest_grad
+        made = [0] + [g for _, g in self.moments]
+        return max(a + g - made[i] for i, (a, g) in enumerate(self.moments))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +182,28 @@ class StepSizes:
         first = next((i for i, s in enumerate(self.stretches) if s.unit), len(self.stretches))
         return sum(s.grads for s in self.stretches[:first])
 
+    @property
+    def head_held(self) -> int:
+        """The most activation and gradient bytes backward holds before its first unit (the
+        loss's backward, the head's): at each moment, the activations and the gradients
+        made so far.
+
+        Examples:
+            >>> sizes = StepSizes(params=4, grads=4, largest_unit=1, largest_unit_grads=1,
+            ...                   root_unit=0, activations=10, stretches=(
+            ...     Stretch(unit=False, start=10, peak=30, grads=3, largest_grad=3,
+            ...             moments=((30, 0), (11, 3))),
+            ...     Stretch(unit=True, start=8, peak=9, grads=5, largest_grad=4)))
+            >>> sizes.head_held, sizes.stretches[0].peak + sizes.head_grads
+            (30, 33)
+        """
+        first = next((i for i, s in enumerate(self.stretches) if s.unit), len(self.stretches))
+        done = best = 0
+        for stretch in self.stretches[:first]:
+            best = max(best, done + stretch.held)
+            done += stretch.grads
+        return best
+
     def piled(self) -> StepPeak:
         """Backward as one process runs it, its gradients kept as they come: in each
         stretch, its activations, the gradients of the stretches before it and one fresh
@@ -155,7 +219,7 @@ class StepSizes:
         """
         done = best = 0
         for stretch in self.stretches:
-            best = max(best, stretch.peak + done + stretch.largest_grad)
+            best = max(best, stretch.fresh + done)
             done += stretch.grads
         return StepPeak(bytes=best, phase="backward", kind="activations + the gradients so far")
 

@@ -137,7 +137,8 @@ class DDP(Engine):
         Forward: the activations it holds at most. Backward, with the gradients views of
         the buckets: each gradient lands in memory already held, once autograd's fresh
         gradient has been added to it, so backward holds its activations and one fresh
-        gradient at most. With the buckets a second copy, the gradients come as backward
+        gradient at most (at each moment, the one made then: the head's weight gradient
+        comes after the loss's peak). With the buckets a second copy, the gradients come as backward
         goes, each freed only by ``zero_grad()``: in each stretch of backward, the
         activations, the gradients of the stretches before it and one of its own. The
         optimizer step reads every gradient (a second copy) and allocates its temporaries.
@@ -181,7 +182,7 @@ class DDP(Engine):
             return highest(backward, step if sizes.step_grads or view else None)
         done, best = 0, 0
         for stretch in sizes.stretches:
-            best = max(best, stretch.peak + (0 if view else done) + stretch.largest_grad)
+            best = max(best, stretch.fresh + (0 if view else done))
             done += stretch.grads
         backward = StepPeak(
             bytes=best,

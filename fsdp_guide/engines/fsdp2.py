@@ -253,7 +253,8 @@ class FSDP2(TorchStateDict, UnitEngine):
           running one, those prefetched, and every earlier one without resharding) and the
           all-gather's result FSDP2 holds until the next copy-out (on more than one rank);
           elsewhere (the loss), the root, the blocks kept gathered and that result;
-        * the loss's backward: its activations, the root and their gradients;
+        * the loss's backward: the root, and at each moment its activations and the
+          gradients made so far (the head's weight gradient comes after its logits');
         * each block's backward: its activations (a checkpointed block's forward run
           again), the root, the blocks gathered (itself and up to ``backward_prefetch`` of
           those still to come; every block not yet done without resharding), the sharded
@@ -338,9 +339,9 @@ class FSDP2(TorchStateDict, UnitEngine):
                     "gradients in the reduce-scatter + the shards done",
                 )
         loss = StepPeak(
-            bytes=sizes.stretches[0].peak + head + (root if resharded else sizes.params),
+            bytes=sizes.head_held + (root if resharded else sizes.params),
             phase="backward",
-            kind="the loss's backward: activations + root + its gradients",
+            kind="the loss's backward: activations + root + the gradients made so far",
         )
         return highest(
             forward_prefetch_peak(sizes, self.forward_prefetch, self.reshard_after_forward),

@@ -192,7 +192,12 @@ def step_sizes(
     state = max(ranks, key=lambda s: s.total)
     traced = profile if isinstance(profile, ActivationProfile) else None
     stretches = tuple(
-        replace(s, grads=per.grads * s.grads, largest_grad=per.grads * s.largest_grad)
+        replace(
+            s,
+            grads=per.grads * s.grads,
+            largest_grad=per.grads * s.largest_grad,
+            moments=tuple((a, per.grads * g) for a, g in s.moments),
+        )
         for s in (traced.stretches if traced else ())
     )
     if request.optimizer != "adam":  # SGD's momentum updates in place

@@ -59,9 +59,9 @@ class ActivationProfile:
         saved: Bytes autograd holds for backward when forward (and the loss) returns, what
             :func:`fsdp_guide.wrap.saved_activation_bytes` counts.
         forward: Forward and the loss in stretches, cut where a unit starts and ends.
-        stretches: Backward in stretches, in the order it runs them; their ``grads`` and
-            ``largest_grad`` count elements here (the plan makes them bytes at the
-            engine's gradient precision).
+        stretches: Backward in stretches, in the order it runs them; their ``grads``,
+            ``largest_grad`` and the gradients of their ``moments`` count elements here (the
+            plan makes them bytes at the engine's gradient precision).
     """
 
     saved: int
@@ -227,9 +227,26 @@ def _stretches(
                 peak=max(curve[first : last + 1]),
                 grads=sum(new),
                 largest_grad=max(new, default=0),
+                moments=_moments(curve, made, first, last),
             )
         )
     return tuple(out)
+
+
+def _moments(
+    curve: list[int], made: dict[int, list[int]], first: int, last: int
+) -> tuple[tuple[int, int], ...]:
+    """Ops ``first`` to ``last`` cut where a gradient is made: the most activation bytes
+    each part holds, and the gradient elements made by its start (see ``Stretch.moments``)."""
+    moments: list[tuple[int, int]] = []
+    held, done = curve[first], 0
+    for op in range(first + 1, last + 1):
+        if made.get(op):
+            moments.append((held, done))
+            held, done = curve[op], done + sum(made[op])
+        held = max(held, curve[op])
+    moments.append((held, done))
+    return tuple(moments)
 
 
 def traced_profile(
