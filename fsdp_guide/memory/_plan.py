@@ -43,6 +43,7 @@ from fsdp_guide.engines import (
     unit_summary,
 )
 from fsdp_guide.errors import PlanError
+from fsdp_guide.memory._accumulation import GRADIENT_KINDS, Accumulation, accumulate
 from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
 from fsdp_guide.memory._predict import state_per_rank
@@ -54,6 +55,7 @@ from fsdp_guide.memory._trace import (
     ModelSource,
     traced_activation_bytes,
 )
+from fsdp_guide.memory._trainable import TrainableRule, with_frozen
 from fsdp_guide.memory._zero import OptimizerName, Precision
 
 
@@ -96,6 +98,9 @@ def plan(
     tp_plan: Mapping[str, str] | None = None,
     settings: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
+    grad_accumulation: int = 1,
+    sync_each_micro_step: bool = False,
+    trainable: TrainableRule | None = None,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -139,6 +144,19 @@ def plan(
             all-reduce of each rowwise layer becomes a reduce-scatter, each cut module's input
             and the head's input are all-gathered, backward mirrors them, and the norms'
             replicated weights have their gradients all-reduced over ``tp``.
+        grad_accumulation: Micro-steps (forward and backward) per optimizer step, ``k``:
+            :attr:`Plan.accumulation` says what each rank holds between them and sends over
+            the ``k`` (``"ddp"``, ``"fsdp"`` and ``"fsdp2"`` engines).
+        sync_each_micro_step: With ``k > 1``, ``False`` (the default) reduces the gradients
+            once, after the last micro-step: DDP's and FSDP1's ``no_sync()``, FSDP2's
+            ``set_requires_gradient_sync(False)`` on the others, where FSDP keeps every
+            unsharded gradient in between; ``True`` reduces (reduce-scatters) after each,
+            holding gradient shards only.
+        trainable: Which parameters train: parameter-name patterns (``fnmatch``, such as
+            ``["*lora_*"]``) or a function of the name; ``None`` (the default) keeps the
+            model's own ``requires_grad`` (a ``peft`` model freezes its base). Frozen
+            parameters have no gradient, no optimizer state and no reduction; planned for
+            ``"ddp"`` and ``"fsdp2"``.
 
     Returns:
         A :class:`Plan`.
@@ -148,7 +166,11 @@ def plan(
             builder, CPU offload with a strategy that does not shard parameters; a
             tensor-parallel degree that does not divide the ranks or the cut layers, with a
             strategy other than ``"fsdp2"``, or without a plan; ``sequence_parallel``
-            without tensor parallelism or with a ``seq_len`` that does not divide by it.
+            without tensor parallelism or with a ``seq_len`` that does not divide by it;
+            a bad ``grad_accumulation``, or an engine whose accumulation is not planned;
+            a ``trainable`` that matches nothing, or frozen parameters under another engine
+            than DDP and FSDP2; units that split a tied parameter (``fully_shard`` refuses
+            them too).
 
     Examples:
         >>> from fsdp_guide.memory import predict_model_state
@@ -187,14 +209,23 @@ def plan(
         tp_plan=tp_plan,
         settings=settings,
         sequence_parallel=sequence_parallel,
+        grad_accumulation=grad_accumulation,
+        sync_each_micro_step=sync_each_micro_step,
+        trainable=trainable,
     )
     rank = rank_model(request)
     shape, units = _units(request, rank)
-    ranks, exact = _model_state(request, shape)
+    ranks, exact = _model_state(request, shape, rank)
     saved = _activations(request, rank)
     communication = _communication(request, rank, shape)
     sizes = _step_sizes(request, rank, shape, saved)
-    return _assemble(request, units, ranks, exact, sizes, communication)
+    accumulation = _accumulation(request, rank, ranks, communication)
+    return replace(
+        _assemble(request, units, ranks, exact, sizes, communication),
+        trainable_params=request.trainable_params,
+        frozen_params=request.frozen_params,
+        accumulation=accumulation,
+    )
 
 
 def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
@@ -210,15 +241,21 @@ def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
     return shape, unit_summary(rank.model, names, request.policy)
 
 
-def _model_state(request: PlanRequest, shape: ModelShape) -> tuple[tuple[ModelState, ...], bool]:
+def _model_state(
+    request: PlanRequest, shape: ModelShape, rank: RankModel
+) -> tuple[tuple[ModelState, ...], bool]:
     """Each rank's state after the optimizer step, and whether it is the engine's to the byte.
 
     The engine lays the state out over the data-parallel ranks; the mesh is row-major, so
     the ``tensor_parallel`` ranks of a group share their data-parallel rank's layout.
+    Frozen parameters are weights only: the gradients and optimizer state are those of
+    the trainable ones.
     """
-    by_dp, exact = state_per_rank(
-        request.engine, shape, request.data_parallel, request.precision, request.optimizer
-    )
+    args = (request.engine, shape, request.data_parallel, request.precision, request.optimizer)
+    by_dp, exact = state_per_rank(*args)
+    if request.frozen_params:
+        trainable = model_shape(rank.model, request.policy, trainable_only=True)
+        by_dp = with_frozen(by_dp, state_per_rank(request.engine, trainable, *args[2:])[0])
     tp = request.tensor_parallel
     return tuple(by_dp[r // tp] for r in range(request.world_size)), exact
 
@@ -243,6 +280,10 @@ def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> 
     predicted = predict_communication(
         request.strategy, shape.num_params, request.data_parallel, request.comm_dtype, shape=shape
     )
+    if request.frozen_params:  # only the trainable parameters' gradients are reduced
+        predicted = replace(
+            predicted, payload={**predicted.payload, **_gradient_payload(request, rank)}
+        )
     if not rank.payload:
         return predicted
     payload = dict(predicted.payload)
@@ -256,6 +297,39 @@ def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> 
         world_size=request.world_size,
         payload=payload,
         group_sizes={**predicted.group_sizes, **groups},
+    )
+
+
+def _gradient_payload(request: PlanRequest, rank: RankModel) -> dict[str, int]:
+    """Elements per kind that the engine's gradient reductions carry in one synced step."""
+    shape = model_shape(rank.model, request.policy, trainable_only=True)
+    issued = predict_communication(
+        request.strategy, shape.num_params, request.data_parallel, request.comm_dtype, shape=shape
+    ).payload
+    return {kind: issued.get(kind, 0) for kind in GRADIENT_KINDS if kind in issued}
+
+
+def _accumulation(
+    request: PlanRequest,
+    rank: RankModel,
+    ranks: tuple[ModelState, ...],
+    communication: CommPrediction,
+) -> Accumulation | None:
+    """What ``grad_accumulation`` micro-steps hold and send; ``None`` for one."""
+    if request.grad_accumulation == 1:
+        return None
+    trainable = sum(p.numel() for p in rank.model.parameters() if p.requires_grad)
+    # Held back, FSDP's unsharded gradients are in the dtype it reduces in.
+    element = communication.element_size if request.engine.stage_at_step >= 2 else 0
+    return accumulate(
+        micro_steps=request.grad_accumulation,
+        sync_each_micro_step=request.sync_each_micro_step,
+        engine=request.engine,
+        ranks=ranks,
+        whole_grads=trainable * (element or request.per_param.grads),
+        step_payload=communication.payload,
+        gradient_payload=_gradient_payload(request, rank),
+        element_size=communication.element_size,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_guide.comm import CommPrediction
+from fsdp_guide.memory._accumulation import Accumulation
 from fsdp_guide.memory._state import ModelState
 
 
@@ -51,6 +52,11 @@ class Plan:
         kept_params: Bytes of whole parameters still gathered when forward returns,
             beyond the state, alive with the activations: DeepSpeed ZeRO-3 keeps those it
             uses again soon (every one of a small model); 0 for the other strategies.
+        trainable_params: Parameters that train (``requires_grad``): they alone have
+            gradients and optimizer state.
+        frozen_params: Parameters that do not (a frozen base under LoRA adapters).
+        accumulation: What ``grad_accumulation`` micro-steps per optimizer step hold and
+            send; ``None`` for one micro-step.
     """
 
     strategy: str
@@ -73,6 +79,9 @@ class Plan:
     units: str = ""
     sequence_parallel: bool = False
     kept_params: int = 0
+    trainable_params: int = 0
+    frozen_params: int = 0
+    accumulation: Accumulation | None = None
 
     @property
     def fullest_rank(self) -> int:

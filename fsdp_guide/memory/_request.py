@@ -22,7 +22,9 @@ from torch import nn
 from fsdp_guide.catalog import get_strategy
 from fsdp_guide.engines import Engine, UnitPolicy, UnitRule, engine_for
 from fsdp_guide.errors import PlanError
+from fsdp_guide.memory._accumulation import check_accumulation
 from fsdp_guide.memory._trace import BatchBuilder, Checkpointing, build_on_meta, check_sizes
+from fsdp_guide.memory._trainable import TrainableRule, apply_trainable, check_frozen, check_tied
 from fsdp_guide.memory._zero import BytesPerParam, OptimizerName, Precision, bytes_per_param
 
 #: The most ranks :func:`plan` takes: it keeps a model state per rank.
@@ -50,6 +52,10 @@ class PlanRequest:
         tensor_parallel: Ranks per tensor-parallel group (1: none).
         tp_plan: Layer name (or pattern) to style, or ``None`` for the model's own.
         sequence_parallel: Whether the sequence is cut over the tensor-parallel ranks too.
+        grad_accumulation: Micro-steps per optimizer step.
+        sync_each_micro_step: Whether each micro-step reduces its gradients.
+        trainable_params: Parameters that train (``requires_grad``).
+        frozen_params: Parameters that do not.
     """
 
     model: nn.Module
@@ -68,6 +74,10 @@ class PlanRequest:
     tensor_parallel: int
     tp_plan: Mapping[str, str] | None
     sequence_parallel: bool
+    grad_accumulation: int = 1
+    sync_each_micro_step: bool = False
+    trainable_params: int = 0
+    frozen_params: int = 0
 
     @property
     def autocast(self) -> bool:
@@ -134,6 +144,9 @@ def resolve(
     tp_plan: Mapping[str, str] | None,
     settings: Mapping[str, Any] | None,
     sequence_parallel: bool,
+    grad_accumulation: int = 1,
+    sync_each_micro_step: bool = False,
+    trainable: TrainableRule | None = None,
 ) -> PlanRequest:
     """``plan()``'s keywords checked, in the order a caller's mistakes are best named.
 
@@ -168,9 +181,15 @@ def resolve(
         isinstance(activations, bool) or not isinstance(activations, int) or activations < 0
     ):
         raise PlanError(f"activations must be an int >= 0 bytes, got {activations!r}")
+    k, sync = check_accumulation(
+        engine, grad_accumulation, sync_each_micro_step, precision == "mixed"
+    )
     model = build_on_meta(model_or_builder)
     if not any(math.prod(p.shape) for p in model.parameters()):
         raise PlanError(f"{type(model).__name__} has no parameters to train")
+    trainable_params, frozen_params = apply_trainable(model, trainable)
+    check_frozen(engine, frozen_params)
+    check_tied(model, policy)
     tp = _check_tensor_parallel(engine, world_size, tensor_parallel)
     _check_sequence_parallel(sequence_parallel, tp, seq_len)
     return PlanRequest(
@@ -190,6 +209,10 @@ def resolve(
         tensor_parallel=tp,
         tp_plan=tp_plan,
         sequence_parallel=sequence_parallel,
+        grad_accumulation=k,
+        sync_each_micro_step=sync,
+        trainable_params=trainable_params,
+        frozen_params=frozen_params,
     )
 
 
