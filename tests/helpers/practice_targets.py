@@ -1,0 +1,149 @@
+"""Launched ranks for the planner's accumulation, frozen-parameter and tied-weight tests.
+
+Each function trains the same small transformer under one catalog strategy (built by its
+engine, as ``compare`` builds it) and returns what the planner predicts: the gradient bytes
+held between micro-steps, the collectives counted over an optimizer step, the state after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_guide.comm import count_collectives
+from fsdp_guide.engines import engine_for
+from fsdp_guide.memory import measure_model_state
+from fsdp_guide.models import TinyTransformer, TransformerConfig
+
+CONFIG = TransformerConfig(n_layers=2, dim=32, n_heads=2, seq_len=16)
+BATCH = 2
+
+
+def tiny(frozen: tuple[str, ...] = (), tied: bool = False) -> nn.Module:
+    """The seeded model; parameters whose name starts with one of ``frozen`` do not train."""
+    torch.manual_seed(0)
+    model = TinyTransformer(CONFIG)
+    if tied:
+        model.head.weight = model.tok_emb.weight
+    for name, p in model.named_parameters():
+        if name.startswith(frozen):
+            p.requires_grad_(False)
+    return model
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq_len), generator=generator)
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+
+
+@contextlib.contextmanager
+def _sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Gradient sync on or off for one micro-step: FSDP2's switch, DDP's and FSDP1's no_sync."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
+        yield
+    elif sync:
+        yield
+    else:
+        with model.no_sync():
+            yield
+
+
+def accumulate(
+    rank: int, world_size: int, strategy: str, sync_each: bool, k: int = 3
+) -> dict[str, Any]:
+    """One optimizer step over ``k`` micro-steps: the gradients held after the first, the
+    collectives of the whole step."""
+    model, optimizer = engine_for(strategy).build(
+        tiny(), device=torch.device("cpu"), world_size=world_size, lr=1e-3
+    )
+    held = -1
+    with count_collectives() as counter:
+        for i in range(k):
+            with _sync(model, sync_each or i == k - 1):
+                _loss(model, _batch(rank, i)).backward()
+            if i == 0:
+                held = measure_model_state(model).grads
+        optimizer.step()
+    return {"held": held, "collectives": counter.stats.elements_by_kind()}
+
+
+def frozen_step(
+    rank: int, world_size: int, strategy: str, frozen: tuple[str, ...]
+) -> dict[str, Any]:
+    """A step with the parameters named by ``frozen`` not training."""
+    model, optimizer = engine_for(strategy).build(
+        tiny(frozen), device=torch.device("cpu"), world_size=world_size, lr=1e-3
+    )
+    for step in range(2):  # DDP regroups its buckets at the second forward
+        _loss(model, _batch(rank, step)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with count_collectives() as counter:
+        _loss(model, _batch(rank, 2)).backward()
+        optimizer.step()
+    return {
+        "state": measure_model_state(model, optimizer),
+        "collectives": counter.stats.elements_by_kind(),
+    }
+
+
+def tied_step(rank: int, world_size: int, together: bool) -> dict[str, Any]:
+    """FSDP2 with the embedding tied to the head: both in one unit, or both in the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny(tied=True)
+    for block in model.blocks:
+        fully_shard(block)
+    if together:
+        fully_shard([model.tok_emb, model.head])
+    fully_shard(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with count_collectives() as counter:
+        loss = _loss(model, _batch(rank, 0))
+        loss.backward()
+        optimizer.step()
+    return {
+        "loss": loss.item(),
+        "state": measure_model_state(model, optimizer),
+        "collectives": counter.stats.elements_by_kind(),
+    }
+
+
+def split_tied(rank: int, world_size: int) -> str:
+    """What ``fully_shard`` says when a tied parameter's modules are in two units."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny(tied=True)
+    fully_shard(model.tok_emb)
+    fully_shard(model)
+    try:
+        _loss(model, _batch(rank, 0))  # FSDP2 checks its groups at the first forward
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def everything(rank: int, world_size: int) -> dict[str, Any]:
+    """Every run of the tests in one launch (starting ranks is the slow part)."""
+    return {
+        "accumulate": {
+            (s, sync): accumulate(rank, world_size, s, sync)
+            for s, sync in (("fsdp2", False), ("fsdp2", True), ("ddp", False), ("fsdp", False))
+        },
+        "frozen": {
+            s: frozen_step(rank, world_size, s, ("tok_emb", "pos_emb", "blocks.0"))
+            for s in ("fsdp2", "ddp")
+        },
+        "tied": {t: tied_step(rank, world_size, t) for t in (False, True)},
+        "split": split_tied(rank, world_size),
+    }
