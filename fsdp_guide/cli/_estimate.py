@@ -19,6 +19,7 @@ from fsdp_guide.cli._args import (
     seconds,
     wrap_policy,
 )
+from fsdp_guide.cli._estimate_practice import add_options, check
 from fsdp_guide.memory import OptimizerName, Precision
 
 _SHARDS = ("nothing", "optimizer state", "+ gradients", "+ parameters")
@@ -166,6 +167,7 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="memory per GPU with its unit: 80GB (10^9 bytes) or 80GiB (2^30 bytes)",
     )
+    add_options(p)
     p.set_defaults(func=_run)
 
 
@@ -269,6 +271,7 @@ def _run(args: argparse.Namespace) -> int:
             "--sequence-parallel cuts the sequence over the tensor-parallel ranks: pass "
             "--tensor-parallel T (T > 1) with --model as well"
         )
+    check(args)
     if args.model is not None or args.hf is not None:
         from fsdp_guide.cli._estimate_model import run_model
 

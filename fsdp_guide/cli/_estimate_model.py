@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from fsdp_guide.cli._args import WRAP_FORMS, WrapArg
+from fsdp_guide.cli._estimate_practice import adapted, default_strategies, extra_lines, patterns
 from fsdp_guide.cli._user_code import import_user_module, load_builder, time_limit
 from fsdp_guide.errors import CommandError
 
@@ -183,7 +184,7 @@ def run_model(args: argparse.Namespace) -> int:
     from fsdp_guide.models import MLP
 
     tp = getattr(args, "tensor_parallel", 1)
-    names = args.strategy or (["fsdp2"] if tp > 1 else list(STRATEGIES))
+    names = default_strategies(args, args.strategy or (["fsdp2"] if tp > 1 else list(STRATEGIES)))
     plans: list[Plan] = []
     with_units = [name for name in names if follows_units(engine_for(name))]
     if args.wrap is not None and not with_units:
@@ -200,6 +201,7 @@ def run_model(args: argparse.Namespace) -> int:
         # The user's code (import, builder, forward) runs under the time limit.
         with time_limit(args.build_timeout, what), _quiet_transformers():
             builder, label = _source(args)
+            builder = adapted(builder, args.trainable)
             policy = wrap_rule(args.wrap)  # its classes imported before the model is built
             model = build_on_meta(builder)
             _check_layers(policy, model, args.wrap.text if args.wrap else "")
@@ -211,7 +213,9 @@ def run_model(args: argparse.Namespace) -> int:
             # model as one rank cuts it.
             traces: dict[str, int] = {}
             measured = getattr(args, "activations", None)  # stated: no trace
-            for name in names if tp == 1 and measured is None else []:
+            # Name patterns freeze parameters inside plan(), which then traces for itself.
+            shared = tp == 1 and measured is None and patterns(args.trainable) is None
+            for name in names if shared else []:
                 kind = _bf16_kind(name, args.precision)
                 if kind not in traces:
                     traces[kind] = traced_activation_bytes(
@@ -239,6 +243,9 @@ def run_model(args: argparse.Namespace) -> int:
                     sequence_parallel=getattr(args, "sequence_parallel", False),
                     batch=batch.build,
                     policy=policy,
+                    grad_accumulation=args.grad_accum,
+                    sync_each_micro_step=args.sync_each_micro_step,
+                    trainable=patterns(args.trainable),
                 )
             )
     except (PlanError, MissingRequirementError) as exc:
@@ -263,7 +270,7 @@ def run_model(args: argparse.Namespace) -> int:
         print(used, file=sys.stderr)  # stdout stays one JSON document
         return 0
     print(plan_table(plans, args.gpu_memory, args.margin))
-    print(used)
+    print("\n".join([*extra_lines(plans), used]))
     return 0
 
 

@@ -150,4 +150,18 @@ class Plan:
             "units": self.units,
             "sequence_parallel": self.sequence_parallel,
             "kept_params": self.kept_params,
+            "trainable_params": self.trainable_params,
+            "frozen_params": self.frozen_params,
+            **self._accumulation_dict(index),
+        }
+
+    def _accumulation_dict(self, rank: int) -> dict[str, int | str | bool]:
+        acc = self.accumulation
+        if acc is None:
+            return {"grad_accumulation": 1}
+        return {
+            "grad_accumulation": acc.micro_steps,
+            "sync_each_micro_step": acc.sync_each_micro_step,
+            "held_between_micro_steps": acc.held[rank],
+            "communication_per_optimizer_step": sum(acc.payload_bytes.values()),
         }
