@@ -147,3 +147,45 @@ def everything(rank: int, world_size: int) -> dict[str, Any]:
         "tied": {t: tied_step(rank, world_size, t) for t in (False, True)},
         "split": split_tied(rank, world_size),
     }
+
+
+def _fsdp2(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+def async_save_then_train(
+    rank: int, world_size: int, path: str, steps_before: int, kill: bool = False
+) -> dict[str, Any]:
+    """Train ``steps_before`` steps, start ``save_async``, train one more step, then wait.
+
+    With ``kill``, rank 1 is killed (SIGKILL) as soon as the save has returned, while the
+    background thread writes: the save never finishes.
+    """
+    import os
+    import signal
+
+    from fsdp_guide.checkpoint import save_async
+
+    model, optimizer = _fsdp2(tiny())
+    for step in range(steps_before):
+        _loss(model, _batch(rank, step)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    at_call = _full_state(model)
+    pending = save_async(path, model, optimizer, extra={"step": steps_before})
+    if kill and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _loss(model, _batch(rank, steps_before)).backward()
+    optimizer.step()
+    after = _full_state(model)
+    pending.wait()
+    return {"at_call": at_call, "after": after, "staged": pending.staged_bytes}
