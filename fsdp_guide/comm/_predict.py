@@ -54,6 +54,9 @@ class CommPrediction:
         once: Payload elements per kind issued once, outside the steady step (DDP's
             broadcasts when it wraps the model and when it regroups its buckets); known
             when the model's shape is given, else empty.
+        element_sizes: Bytes per element of a kind that is not sent at ``element_size``:
+            FSDP2's reduce-scatter in fp32 under ``MixedPrecisionPolicy(reduce_dtype=fp32)``
+            while its all-gathers carry bf16.
     """
 
     strategy: str
@@ -64,6 +67,17 @@ class CommPrediction:
     group_sizes: Mapping[str, int] = field(default_factory=dict)
     paper_elements: int = 0
     once: Mapping[str, int] = field(default_factory=dict)
+    element_sizes: Mapping[str, int] = field(default_factory=dict)
+
+    def kind_bytes(self, kind: str) -> int:
+        """Payload bytes of one kind.
+
+        Examples:
+            >>> fsdp = predict_communication("fsdp2", 1000, 2, "bf16")
+            >>> fsdp.kind_bytes("all_gather"), fsdp.kind_bytes("reduce_scatter")
+            (4000, 2000)
+        """
+        return self.payload.get(kind, 0) * self.element_sizes.get(kind, self.element_size)
 
     @property
     def payload_elements(self) -> int:
@@ -73,7 +87,7 @@ class CommPrediction:
     @property
     def payload_bytes(self) -> int:
         """The payload bytes of every kind together, what ``count_collectives`` measures."""
-        return self.payload_elements * self.element_size
+        return sum(self.kind_bytes(kind) for kind in self.payload)
 
     @property
     def paper_bytes(self) -> int:

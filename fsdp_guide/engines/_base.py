@@ -279,6 +279,11 @@ class Engine(ABC):
         """
         return optimizer
 
+    def reduce_bytes(self, comm_bytes: int) -> int:
+        """Bytes per element of the gradient reductions when the other collectives carry
+        ``comm_bytes``: the same, unless the engine reduces in another dtype."""
+        return comm_bytes
+
     def held_grads(self, module: nn.Module) -> list[torch.Tensor]:
         """Gradients a rank holds that no parameter's ``.grad`` shows: FSDP2's unsharded
         gradients, kept between the micro-steps of gradient accumulation while gradient sync

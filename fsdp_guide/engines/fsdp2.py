@@ -129,6 +129,11 @@ class FSDP2(TorchStateDict, UnitEngine):
         backward_prefetch: How many of the blocks backward reaches next each block gathers
             as its backward starts (``FSDPModule.set_modules_to_backward_prefetch``); ``0``
             leaves FSDP2's own: the next one.
+        reduce_dtype: In mixed precision, the dtype of the gradient reductions and of the
+            unsharded gradients kept for accumulation: ``None`` for the parameters' (bf16,
+            ``MixedPrecisionPolicy(param_dtype=bf16)``), ``"fp32"`` for
+            ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``. The all-gathers
+            carry bf16 either way.
 
     Examples:
         >>> hsdp = FSDP2(shard_group=2)
@@ -149,8 +154,11 @@ class FSDP2(TorchStateDict, UnitEngine):
     reshard_after_forward: bool | int = True
     forward_prefetch: int = 0
     backward_prefetch: int = 0
+    reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reduce_dtype not in (None, "fp32"):
+            raise ValueError(f"reduce_dtype must be None or 'fp32', got {self.reduce_dtype!r}")
         if self.wrap not in UNIT_RULES:
             raise ValueError(f"unknown wrap {self.wrap!r}; choose one of {', '.join(UNIT_RULES)}")
         group = self.shard_group
@@ -337,6 +345,9 @@ class FSDP2(TorchStateDict, UnitEngine):
             for p in module.get_submodule(name).parameters()
         }
         return sum(p.numel() for p in module.parameters() if id(p) not in nested)
+
+    def reduce_bytes(self, comm_bytes: int) -> int:
+        return 4 if self.reduce_dtype == "fp32" else comm_bytes
 
     def held_grads(self, module: nn.Module) -> list[torch.Tensor]:
         """The unsharded gradients FSDP2 keeps while ``set_requires_gradient_sync(False)``

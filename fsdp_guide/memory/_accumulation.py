@@ -21,7 +21,7 @@ planner does not plan DeepSpeed's accumulation.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fsdp_guide.engines import Engine
 from fsdp_guide.errors import PlanError
@@ -49,6 +49,8 @@ class Accumulation:
         payload: Payload elements per collective kind over one optimizer step (``k``
             micro-steps), as :func:`fsdp_guide.comm.count_collectives` counts them.
         element_size: Bytes per element of ``payload``.
+        element_sizes: Bytes per element of a kind sent in another dtype (FSDP2's fp32
+            reduce-scatter under bf16 parameters).
     """
 
     micro_steps: int
@@ -56,11 +58,13 @@ class Accumulation:
     held: tuple[int, ...]
     payload: Mapping[str, int]
     element_size: int
+    element_sizes: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def payload_bytes(self) -> dict[str, int]:
         """Bytes per collective kind over one optimizer step."""
-        return {kind: n * self.element_size for kind, n in self.payload.items()}
+        sizes = self.element_sizes
+        return {kind: n * sizes.get(kind, self.element_size) for kind, n in self.payload.items()}
 
 
 def check_accumulation(
@@ -110,6 +114,7 @@ def accumulate(
     step_payload: Mapping[str, int],
     gradient_payload: Mapping[str, int],
     element_size: int,
+    element_sizes: Mapping[str, int] | None = None,
 ) -> Accumulation:
     """The :class:`Accumulation` of one optimizer step over ``micro_steps``.
 
@@ -124,6 +129,7 @@ def accumulate(
         step_payload: Elements per kind of one synced step (the plan's communication).
         gradient_payload: The part of ``step_payload`` that reduces gradients.
         element_size: Bytes per element communicated.
+        element_sizes: Bytes per element of kinds sent in another dtype.
 
     Examples:
         FSDP2 on 2 ranks, 100 parameters: 3 micro-steps with the sync off hold the whole
@@ -159,4 +165,5 @@ def accumulate(
         held=held,
         payload=payload,
         element_size=element_size,
+        element_sizes=dict(element_sizes or {}),
     )

@@ -280,10 +280,12 @@ def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> 
     predicted = predict_communication(
         request.strategy, shape.num_params, request.data_parallel, request.comm_dtype, shape=shape
     )
+    gradients = _gradient_payload(request, rank)
     if request.frozen_params:  # only the trainable parameters' gradients are reduced
-        predicted = replace(
-            predicted, payload={**predicted.payload, **_gradient_payload(request, rank)}
-        )
+        predicted = replace(predicted, payload={**predicted.payload, **gradients})
+    reduce = request.engine.reduce_bytes(predicted.element_size)
+    if reduce != predicted.element_size:  # reduced in another dtype than gathered
+        predicted = replace(predicted, element_sizes=dict.fromkeys(gradients, reduce))
     if not rank.payload:
         return predicted
     payload = dict(predicted.payload)
@@ -320,16 +322,18 @@ def _accumulation(
         return None
     trainable = sum(p.numel() for p in rank.model.parameters() if p.requires_grad)
     # Held back, FSDP's unsharded gradients are in the dtype it reduces in.
-    element = communication.element_size if request.engine.stage_at_step >= 2 else 0
+    reduce = request.engine.reduce_bytes(communication.element_size)
+    element = reduce if request.engine.stage_at_step >= 2 else request.per_param.grads
     return accumulate(
         micro_steps=request.grad_accumulation,
         sync_each_micro_step=request.sync_each_micro_step,
         engine=request.engine,
         ranks=ranks,
-        whole_grads=trainable * (element or request.per_param.grads),
+        whole_grads=trainable * element,
         step_payload=communication.payload,
         gradient_payload=_gradient_payload(request, rank),
         element_size=communication.element_size,
+        element_sizes=communication.element_sizes,
     )
 
 

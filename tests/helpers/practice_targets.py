@@ -133,6 +133,36 @@ def split_tied(rank: int, world_size: int) -> str:
     return ""
 
 
+def mixed_step(rank: int, world_size: int, reduce_fp32: bool | None) -> dict[str, Any]:
+    """FSDP2 in fp32 (``None``) or with bf16 parameters, reducing in fp32 or in bf16: two
+    micro-steps, the sync held back on the first, then one optimizer step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if reduce_fp32 is not None:
+        reduce = torch.float32 if reduce_fp32 else None
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+    model = tiny()
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with count_collectives() as counter:
+        for i in range(2):
+            model.set_requires_gradient_sync(i == 1)  # type: ignore[operator]
+            loss = _loss(model, _batch(rank, 0))
+            loss.backward()
+            if i == 0:
+                held = measure_model_state(model).grads
+        optimizer.step()
+    return {
+        "loss": loss.item(),
+        "held": held,
+        "bytes": {k: c.bytes for k, c in counter.stats.kinds.items()},
+        "state": measure_model_state(model, optimizer),
+    }
+
+
 def everything(rank: int, world_size: int) -> dict[str, Any]:
     """Every run of the tests in one launch (starting ranks is the slow part)."""
     return {
@@ -146,6 +176,7 @@ def everything(rank: int, world_size: int) -> dict[str, Any]:
         },
         "tied": {t: tied_step(rank, world_size, t) for t in (False, True)},
         "split": split_tied(rank, world_size),
+        "mixed": {r: mixed_step(rank, world_size, r) for r in (None, False, True)},
     }
 
 

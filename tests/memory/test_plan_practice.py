@@ -105,6 +105,20 @@ def test_a_split_tied_parameter_is_refused_like_fully_shard_refuses_it(
         _plan(lambda: tiny(tied=True), policy=EmbeddingApart())
 
 
+@pytest.mark.parametrize("reduce_fp32", [None, False, True], ids=["fp32", "bf16", "bf16+fp32"])
+def test_mixed_precision_bytes_per_kind(runs: list[dict[str, Any]], reduce_fp32: bool) -> None:
+    precision = "fp32" if reduce_fp32 is None else "mixed"
+    settings = {"reduce_dtype": "fp32"} if reduce_fp32 else None
+    planned = _plan(precision=precision, settings=settings, grad_accumulation=2)
+    for rank, run in enumerate(runs):
+        measured = run["mixed"][reduce_fp32]
+        assert measured["state"] == planned.ranks[rank]  # the fp32 state either way
+        assert measured["bytes"] == planned.accumulation.payload_bytes
+        assert measured["held"] == planned.accumulation.held[rank]
+    fp32 = runs[0]["mixed"][None]["loss"]
+    assert abs(runs[0]["mixed"][True]["loss"] - fp32) < 0.02 * fp32  # bf16 forward
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -116,6 +130,7 @@ def test_a_split_tied_parameter_is_refused_like_fully_shard_refuses_it(
         ({"trainable": ["nothing.*"]}, "matches no parameter"),
         ({"trainable": "head.*"}, "list of parameter-name patterns"),
         ({"trainable": ["head.*"], "strategy": "fsdp"}, "planned for ddp and fsdp2"),
+        ({"settings": {"reduce_dtype": "bf16"}}, "reduce_dtype must be None or 'fp32'"),
     ],
 )
 def test_bad_values_are_refused_before_anything_is_traced(
