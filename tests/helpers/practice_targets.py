@@ -163,6 +163,53 @@ def mixed_step(rank: int, world_size: int, reduce_fp32: bool | None) -> dict[str
     }
 
 
+LLAMA = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+}
+
+
+def lora_llama() -> nn.Module:
+    """A small transformers Llama with LoRA adapters of rank 8 on q_proj and v_proj."""
+    from peft import LoraConfig, get_peft_model
+
+    from fsdp_guide.hf import hf_builder
+
+    torch.manual_seed(0)
+    adapters = LoraConfig(r=8, target_modules=["q_proj", "v_proj"])
+    model: nn.Module = get_peft_model(hf_builder("llama", LLAMA)(), adapters)
+    return model
+
+
+def lora_step(rank: int, world_size: int) -> dict[str, Any] | None:
+    """FSDP2 over the LoRA model, a unit per decoder layer; None without peft."""
+    try:
+        model = lora_llama()
+    except ImportError:
+        return None
+    from torch.distributed.fsdp import fully_shard
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    for module in model.modules():
+        if isinstance(module, LlamaDecoderLayer):
+            fully_shard(module)
+    fully_shard(model)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    tokens = _batch(rank, 0)
+    with count_collectives() as counter:
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+    return {
+        "state": measure_model_state(model, optimizer),
+        "collectives": counter.stats.elements_by_kind(),
+    }
+
+
 def everything(rank: int, world_size: int) -> dict[str, Any]:
     """Every run of the tests in one launch (starting ranks is the slow part)."""
     return {
@@ -177,6 +224,7 @@ def everything(rank: int, world_size: int) -> dict[str, Any]:
         "tied": {t: tied_step(rank, world_size, t) for t in (False, True)},
         "split": split_tied(rank, world_size),
         "mixed": {r: mixed_step(rank, world_size, r) for r in (None, False, True)},
+        "lora": lora_step(rank, world_size),
     }
 
 

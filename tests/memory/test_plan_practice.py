@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from practice_targets import BATCH, CONFIG, everything, tiny
+from practice_targets import BATCH, CONFIG, everything, lora_llama, tiny
 
 from fsdp_guide.errors import PlanError
 from fsdp_guide.launcher import launch
@@ -76,6 +76,18 @@ def test_frozen_parameters_have_no_gradients_state_or_reduction(
         measured = run["frozen"][strategy]
         assert measured["state"] == by_flags.ranks[rank]
         assert measured["collectives"] == dict(by_flags.communication.payload)
+
+
+def test_lora_adapters_alone_have_gradients_and_optimizer_state(
+    runs: list[dict[str, Any]],
+) -> None:
+    if runs[0]["lora"] is None:
+        pytest.skip("peft is not installed (the peft extra)")
+    planned = _plan(lora_llama)
+    assert 0 < planned.trainable_params < planned.frozen_params
+    for rank, run in enumerate(runs):
+        assert run["lora"]["state"] == planned.ranks[rank]
+        assert run["lora"]["collectives"] == dict(planned.communication.payload)
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["root", "one-unit"])
