@@ -21,7 +21,6 @@ Examples:
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from torch import nn
 
 from fsdp_guide.engines._base import Built, adam, fully_sharded
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
+from fsdp_guide.engines._fsdp2_grads import rows_per_shard, unsharded_grads
 from fsdp_guide.engines._fsdp2_prefetch import (
     check_prefetch,
     forward_prefetch_peak,
@@ -75,35 +75,6 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def rows_per_shard(shapes: Sequence[Sequence[int]], group: int) -> tuple[int, list[int]]:
-    """Padded elements per shard, and the elements each of the ``group`` shards really has.
-
-    A parameter of ``r`` rows of ``w`` elements is cut into chunks of ``c = ceil(r / N)``
-    rows: the first ``r // c`` shards get ``c`` rows, the next the remainder, the rest none.
-    A difference array adds that up for all shards at once.
-
-    Examples:
-        >>> rows_per_shard([(3, 2)], 2)  # chunks of 2 rows: 4 elements, then 2
-        (4, [4, 2])
-    """
-    padded = 0
-    diff = [0] * (group + 1)
-    for shape in shapes:
-        rows = shape[0] if len(shape) else 1  # a 0-d parameter is one row of one
-        width = math.prod(shape) // rows if rows else 0
-        chunk = math.ceil(rows / group)
-        padded += chunk * width
-        if chunk == 0:
-            continue
-        full, rest = divmod(rows, chunk)
-        diff[0] += chunk * width
-        diff[full] -= chunk * width
-        if rest:
-            diff[full] += rest * width
-            diff[full + 1] -= rest * width
-    return padded, list(itertools.accumulate(diff[:group]))
-
-
 def _fsdp_module() -> type[Any]:
     from torch.distributed.fsdp import FSDPModule
 
@@ -129,11 +100,9 @@ class FSDP2(TorchStateDict, UnitEngine):
         backward_prefetch: How many of the blocks backward reaches next each block gathers
             as its backward starts (``FSDPModule.set_modules_to_backward_prefetch``); ``0``
             leaves FSDP2's own: the next one.
-        reduce_dtype: In mixed precision, the dtype of the gradient reductions and of the
-            unsharded gradients kept for accumulation: ``None`` for the parameters' (bf16,
-            ``MixedPrecisionPolicy(param_dtype=bf16)``), ``"fp32"`` for
-            ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``. The all-gathers
-            carry bf16 either way.
+        reduce_dtype: In mixed precision, what the gradient reductions (and the unsharded
+            gradients kept for accumulation) carry: ``None``, the bf16 parameters' dtype;
+            ``"fp32"``, as ``MixedPrecisionPolicy(..., reduce_dtype=torch.float32)``.
 
     Examples:
         >>> hsdp = FSDP2(shard_group=2)
@@ -350,22 +319,7 @@ class FSDP2(TorchStateDict, UnitEngine):
         return 4 if self.reduce_dtype == "fp32" else comm_bytes
 
     def held_grads(self, module: nn.Module) -> list[torch.Tensor]:
-        """The unsharded gradients FSDP2 keeps while ``set_requires_gradient_sync(False)``
-        holds back the reduce-scatter: in the reduce dtype when it differs from the
-        parameters' (``unsharded_accumulated_grad``), else on the unsharded parameter."""
-        fsdp_module = _fsdp_module()
-        held: list[torch.Tensor] = []
-        for sub in module.modules():
-            if not isinstance(sub, fsdp_module):
-                continue
-            group = getattr(sub._get_fsdp_state(), "_fsdp_param_group", None)
-            for param in getattr(group, "fsdp_params", ()):
-                accumulated = getattr(param, "unsharded_accumulated_grad", None)
-                unsharded = getattr(param, "_unsharded_param", None)
-                for grad in (accumulated, getattr(unsharded, "grad", None)):
-                    if isinstance(grad, torch.Tensor):
-                        held.append(grad)
-        return held
+        return unsharded_grads(module)
 
     def gather_to_rank0(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None

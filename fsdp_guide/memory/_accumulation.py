@@ -22,10 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from fsdp_guide.engines import Engine
+from fsdp_guide.comm import CommPrediction, predict_communication
+from fsdp_guide.engines import Engine, model_shape
 from fsdp_guide.errors import PlanError
 from fsdp_guide.memory._state import ModelState
+
+if TYPE_CHECKING:  # the request imports this module's checks
+    from fsdp_guide.memory._dimensions import RankModel
+    from fsdp_guide.memory._request import PlanRequest
 
 #: Collective kinds that carry gradients for the engines planned here (DDP's all-reduce,
 #: FSDP's reduce-scatter and, with HSDP, the all-reduce of the gradient shards).
@@ -166,4 +172,39 @@ def accumulate(
         payload=payload,
         element_size=element_size,
         element_sizes=dict(element_sizes or {}),
+    )
+
+
+def gradient_payload(request: PlanRequest, rank: RankModel) -> dict[str, int]:
+    """Elements per kind that the engine's gradient reductions carry in one synced step."""
+    shape = model_shape(rank.model, request.policy, trainable_only=True)
+    issued = predict_communication(
+        request.strategy, shape.num_params, request.data_parallel, request.comm_dtype, shape=shape
+    ).payload
+    return {kind: issued.get(kind, 0) for kind in GRADIENT_KINDS if kind in issued}
+
+
+def plan_accumulation(
+    request: PlanRequest,
+    rank: RankModel,
+    ranks: tuple[ModelState, ...],
+    communication: CommPrediction,
+) -> Accumulation | None:
+    """What ``grad_accumulation`` micro-steps hold and send; ``None`` for one."""
+    if request.grad_accumulation == 1:
+        return None
+    trainable = sum(p.numel() for p in rank.model.parameters() if p.requires_grad)
+    # Held back, FSDP's unsharded gradients are in the dtype it reduces in.
+    reduce = request.engine.reduce_bytes(communication.element_size)
+    element = reduce if request.engine.stage_at_step >= 2 else request.per_param.grads
+    return accumulate(
+        micro_steps=request.grad_accumulation,
+        sync_each_micro_step=request.sync_each_micro_step,
+        engine=request.engine,
+        ranks=ranks,
+        whole_grads=trainable * element,
+        step_payload=communication.payload,
+        gradient_payload=gradient_payload(request, rank),
+        element_size=communication.element_size,
+        element_sizes=communication.element_sizes,
     )

@@ -43,7 +43,7 @@ from fsdp_guide.engines import (
     unit_summary,
 )
 from fsdp_guide.errors import PlanError
-from fsdp_guide.memory._accumulation import GRADIENT_KINDS, Accumulation, accumulate
+from fsdp_guide.memory._accumulation import gradient_payload, plan_accumulation
 from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
 from fsdp_guide.memory._predict import state_per_rank
@@ -219,7 +219,7 @@ def plan(
     saved = _activations(request, rank)
     communication = _communication(request, rank, shape)
     sizes = _step_sizes(request, rank, shape, saved)
-    accumulation = _accumulation(request, rank, ranks, communication)
+    accumulation = plan_accumulation(request, rank, ranks, communication)
     return replace(
         _assemble(request, units, ranks, exact, sizes, communication),
         trainable_params=request.trainable_params,
@@ -280,7 +280,7 @@ def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> 
     predicted = predict_communication(
         request.strategy, shape.num_params, request.data_parallel, request.comm_dtype, shape=shape
     )
-    gradients = _gradient_payload(request, rank)
+    gradients = gradient_payload(request, rank)
     if request.frozen_params:  # only the trainable parameters' gradients are reduced
         predicted = replace(predicted, payload={**predicted.payload, **gradients})
     reduce = request.engine.reduce_bytes(predicted.element_size)
@@ -299,41 +299,6 @@ def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> 
         world_size=request.world_size,
         payload=payload,
         group_sizes={**predicted.group_sizes, **groups},
-    )
-
-
-def _gradient_payload(request: PlanRequest, rank: RankModel) -> dict[str, int]:
-    """Elements per kind that the engine's gradient reductions carry in one synced step."""
-    shape = model_shape(rank.model, request.policy, trainable_only=True)
-    issued = predict_communication(
-        request.strategy, shape.num_params, request.data_parallel, request.comm_dtype, shape=shape
-    ).payload
-    return {kind: issued.get(kind, 0) for kind in GRADIENT_KINDS if kind in issued}
-
-
-def _accumulation(
-    request: PlanRequest,
-    rank: RankModel,
-    ranks: tuple[ModelState, ...],
-    communication: CommPrediction,
-) -> Accumulation | None:
-    """What ``grad_accumulation`` micro-steps hold and send; ``None`` for one."""
-    if request.grad_accumulation == 1:
-        return None
-    trainable = sum(p.numel() for p in rank.model.parameters() if p.requires_grad)
-    # Held back, FSDP's unsharded gradients are in the dtype it reduces in.
-    reduce = request.engine.reduce_bytes(communication.element_size)
-    element = reduce if request.engine.stage_at_step >= 2 else request.per_param.grads
-    return accumulate(
-        micro_steps=request.grad_accumulation,
-        sync_each_micro_step=request.sync_each_micro_step,
-        engine=request.engine,
-        ranks=ranks,
-        whole_grads=trainable * element,
-        step_payload=communication.payload,
-        gradient_payload=_gradient_payload(request, rank),
-        element_size=communication.element_size,
-        element_sizes=communication.element_sizes,
     )
 
 
