@@ -126,7 +126,7 @@ def save_async(
         extra: Small metadata to restore with it (step, epoch, RNG state); rank 0's.
 
     Returns:
-        An :class:`AsyncSave`: call its ``wait()`` to finish.
+        The :class:`AsyncSave` handle, whose ``wait()`` finishes the save.
 
     Raises:
         ValueError: A model whose engine does not write DCP shards (FSDP1 and FSDP2 do), or

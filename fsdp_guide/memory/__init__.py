@@ -50,6 +50,7 @@ None). Activations and module buffers are not counted.
 
 from __future__ import annotations
 
+from fsdp_guide.memory._accumulation import Accumulation
 from fsdp_guide.memory._allocations import Allocations, track_allocations
 from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
 from fsdp_guide.memory._plan import plan
@@ -73,6 +74,7 @@ from fsdp_guide.memory._zero import (
 )
 
 __all__ = [
+    "Accumulation",
     "Allocations",
     "BytesPerParam",
     "ModelState",
