@@ -9,7 +9,9 @@ Plain PyTorch, nothing from fsdp-guide: copy it into your project. Run it on 2 r
 Each save goes to its own ``step-N`` directory under ``--checkpoint-dir``; ``--resume`` loads
 the latest one.
 
-On a machine with a GPU per rank it uses NCCL and the GPUs; otherwise gloo and the CPU.
+On a machine with a GPU per rank it uses NCCL and the GPUs; otherwise gloo and the CPU. To
+fine-tune a Hugging Face model (pretrained weights loaded into the shards, every block
+checkpointed, gradient accumulation), start from ``examples/recipes/fsdp2_finetune.py``.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Sphinx reads sources only inside ``docs/``; the lessons and the benchmark result
 elsewhere in the repository. Before Sphinx reads the sources (``builder-inited``) this
 writes (git-ignored, rewritten only when their content changes):
 
-* ``docs/notebooks/``: a copy of every ``notebooks/NN_topic.ipynb``, ending with links to
-  the API it imports (``fsdp_links.py``), and an index in lesson order;
+* ``docs/notebooks/``: a copy of every ``notebooks/NN_topic.ipynb`` whose "API used" section
+  links the API it names and imports (``fsdp_links.py``) and whose links into ``docs/``
+  land on the site (:func:`site_links`), and an index in lesson order;
 * ``docs/_generated/results/<name>.md``: each ``benchmarks/results/<name>.md`` without its
   title (the page that includes it gives its own), a placeholder for a result a page
   includes that is not committed yet, and ``docs/_generated/benchmarks.md`` gathering them;
@@ -34,6 +35,14 @@ LESSON_NAME = re.compile(r"^\d+_[A-Za-z0-9_]+\.ipynb$")
 # Guide pages pull a measured table in with ``{include} /_generated/results/NAME.md``
 # (a leading ``/`` means the docs folder).
 RESULT_INCLUDE = re.compile(r"_generated/results/([A-Za-z0-9_]+)\.md")
+# A lesson links a page of the site the way Jupyter finds it beside the repository's docs/:
+# ``[reduce-scatter](../docs/guide/glossary.md#term-reduce-scatter)``.
+DOCS_LINK = re.compile(
+    r"\[(?P<text>[^\]]+)\]\(\.\./docs/(?P<path>[^)#\s]+)(?:#(?P<anchor>[^)\s]+))?\)"
+)
+GLOSSARY_PAGE = "guide/glossary.md"
+# A result's figure, linked beside its table: ``![what it shows](name.svg)``.
+RESULT_FIGURE = re.compile(r"\]\(([A-Za-z0-9_]+\.svg)\)")
 
 
 def write_if_changed(path: Path, text: str) -> bool:
@@ -50,6 +59,70 @@ def write_bytes_if_changed(path: Path, data: bytes) -> None:
     if not (path.exists() and path.read_bytes() == data):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
+
+
+def glossary_terms(glossary: str) -> dict[str, str]:
+    """Each term of the ``{glossary}`` block of ``glossary`` (MyST), by its anchor's slug.
+
+    Sphinx gives a term the id ``term-`` + the term with every run of other characters than
+    letters, digits, ``.`` and ``_`` turned into ``-``; the slug here is that id, lowercased.
+
+    Examples:
+        >>> glossary_terms("```{glossary}\\n:sorted:\\n\\nmodel state\\n  Text.\\n```\\n")
+        {'term-model-state': 'model state'}
+    """
+    found: dict[str, str] = {}
+    block = re.search(r"^```\{glossary\}\n(.*?)^```", glossary, re.DOTALL | re.MULTILINE)
+    for line in block.group(1).splitlines() if block else []:
+        if line.strip() and not line[0].isspace() and not line.startswith(":"):
+            term = line.strip()
+            slug = re.sub(r"[^A-Za-z0-9._]+", "-", term).strip("-").lower()
+            found[f"term-{slug}"] = term
+    return found
+
+
+def site_links(markdown: str, terms: dict[str, str]) -> str:
+    """``markdown`` of a lesson with its links into ``../docs/`` made to work on the site.
+
+    The site's copy of a lesson sits in ``docs/notebooks/``, so ``../docs/x.md`` becomes
+    ``../x.md``; a link to a glossary entry becomes the ``{term}`` role, which lands on the
+    entry (a Markdown link to another page's ``#term-...`` anchor does not resolve). A link
+    to a term the glossary lacks is an error naming it.
+
+    Examples:
+        >>> site_links("[reduce-scatters](../docs/guide/glossary.md#term-reduce-scatter)",
+        ...            {"term-reduce-scatter": "reduce-scatter"})
+        '{term}`reduce-scatters <reduce-scatter>`'
+        >>> site_links("[the CLI](../docs/cli.md)", {})
+        '[the CLI](../cli.md)'
+    """
+
+    def rewrite(match: re.Match[str]) -> str:
+        text, path, anchor = match["text"], match["path"], match["anchor"]
+        if path == GLOSSARY_PAGE and anchor and anchor.lower().startswith("term-"):
+            term = terms.get(anchor.lower())
+            if term is None:
+                raise ValueError(
+                    f"the link [{text}](../docs/{path}#{anchor}) names no term of the glossary; "
+                    f"add the term to docs/{GLOSSARY_PAGE} or link one of {sorted(terms)}"
+                )
+            shown = text.replace("<", "\\<").replace("`", "")
+            return f"{{term}}`{shown} <{term}>`"
+        return f"[{text}](../{path}{'#' + anchor if anchor else ''})"
+
+    return DOCS_LINK.sub(rewrite, markdown)
+
+
+def for_the_site(notebook: dict[str, Any], terms: dict[str, str]) -> dict[str, Any]:
+    """The site's copy of a lesson: links into ``docs/`` rewritten, its API section linked."""
+    cells = []
+    for cell in notebook.get("cells", []):
+        if cell.get("cell_type") == "markdown":
+            source = cell.get("source", "")
+            text = "".join(source) if isinstance(source, list) else source
+            cell = {**cell, "source": site_links(text, terms)}
+        cells.append(cell)
+    return with_api_section({**notebook, "cells": cells})
 
 
 def sync_notebooks(source_dir: Path, target_dir: Path, repository: str = "") -> list[str]:
@@ -70,10 +143,16 @@ def sync_notebooks(source_dir: Path, target_dir: Path, repository: str = "") -> 
     for stale in target_dir.glob("*.ipynb"):
         if stale.name not in names:
             stale.unlink()
+    glossary = target_dir.parent / GLOSSARY_PAGE
+    terms = glossary_terms(glossary.read_text(encoding="utf-8")) if glossary.is_file() else {}
     for path in notebooks:
-        # The copy ends with links to the API it uses (the notebook itself stays as it is).
+        # The copy links into the site and to the API it uses (the notebook stays as it is).
         notebook = json.loads(path.read_text(encoding="utf-8"))
-        write_if_changed(target_dir / path.name, json.dumps(with_api_section(notebook), indent=1))
+        try:
+            copy = for_the_site(notebook, terms)
+        except ValueError as err:
+            raise ValueError(f"{path.name}: {err}") from None
+        write_if_changed(target_dir / path.name, json.dumps(copy, indent=1))
     # Figures a lesson shows (``figures/x.svg`` from the notebook) travel with the copies.
     figures = source_dir / "figures"
     if figures.is_dir():
@@ -135,6 +214,9 @@ def generate_result_pages(results_dir: Path, generated_dir: Path, docs_dir: Path
             # title, or the reader sees the same heading twice.
             title, text = _split_title((results_dir / f"{name}.md").read_text(encoding="utf-8"))
             titles[name] = title or f"`{name}`"
+            # A figure beside the table (``![...](name.svg)``, as the repository shows it)
+            # is found from the docs folder, wherever the page including it sits.
+            text = RESULT_FIGURE.sub(r"](/_generated/results/\1)", text)
         else:
             text = (
                 "```{note}\n"
@@ -143,6 +225,9 @@ def generate_result_pages(results_dir: Path, generated_dir: Path, docs_dir: Path
                 "```\n"
             )
         write_if_changed(out / f"{name}.md", text)
+    # A result's figure (``![...](name.svg)`` in its table's page) travels with it.
+    for figure in results_dir.glob("*.svg") if results_dir.is_dir() else []:
+        write_bytes_if_changed(out / figure.name, figure.read_bytes())
     if committed:
         body = "\n".join(
             f"## {titles[name]}\n\nWritten by `benchmarks/{name}.py` to "

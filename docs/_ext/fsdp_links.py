@@ -76,18 +76,93 @@ def _modules() -> list[str]:
     return public_modules()
 
 
+#: A lesson's own section (``docs/lessons.md``): ``## API used``, then a bullet per name,
+#: ``- `fsdp_guide.module.name`: what it did here``.
+LESSON_HEADING = re.compile(r"^## API used\b.*$", re.MULTILINE)
+API_BULLET = re.compile(r"^[-*] .*$", re.MULTILINE)
+API_NAME = re.compile(r"`(?P<dotted>fsdp_guide(?:\.\w+)*)`")
+
+
+def _split_dotted(dotted: str) -> tuple[str, str]:
+    """``(module, name)`` of a dotted path: the longest importable module, then one name.
+
+    Examples:
+        >>> _split_dotted("fsdp_guide.memory.plan"), _split_dotted("fsdp_guide.wrap")
+        (('fsdp_guide.memory', 'plan'), ('fsdp_guide.wrap', ''))
+    """
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            module = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        rest = parts[cut:]
+        if not rest:
+            return module.__name__, ""
+        if len(rest) == 1 and hasattr(module, rest[0]):
+            return module.__name__, rest[0]
+        break
+    raise ValueError(f"{dotted} is not a public name of fsdp_guide: name it where it lives")
+
+
+def _reference(module: str, name: str, shown: str = "") -> str:
+    """A MyST link to the reference entry of ``module.name`` (its module page for ``""``)."""
+    page = documented_on(module, name)
+    value = getattr(importlib.import_module(module), name, None) if name else None
+    if name and not inspect.ismodule(value):
+        target = f"{page}.{name}"
+        return (
+            f"{{py:obj}}`{shown} <{target}>`"
+            if shown and shown != target
+            else (f"{{py:obj}}`{target}`")
+        )
+    return f"{{doc}}`{shown or page} </api/{page}>`"
+
+
 def with_api_section(notebook: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``notebook`` ending with a Markdown cell that links every name it imports."""
+    """A copy of ``notebook`` whose "API used" section links every name it names and imports.
+
+    A lesson that has its own ``## API used`` section keeps it, each name of its bullets turned
+    into a link to its reference entry (the text after it stays), and the names it imports
+    but does not list added as bullets; a name no public module has is an error. A notebook
+    without that section gets one at its end, listing what it imports. Either way the page
+    has one API section, never two.
+    """
     imports = lesson_imports(notebook)
+    cells = list(notebook.get("cells", []))
+    own = next(
+        (
+            i
+            for i, cell in enumerate(cells)
+            if cell.get("cell_type") == "markdown" and LESSON_HEADING.search(_text(cell))
+        ),
+        None,
+    )
+    if own is not None:
+        text = _text(cells[own])
+        named = [m["dotted"] for b in API_BULLET.findall(text) for m in API_NAME.finditer(b)]
+        listed = {_split_dotted(dotted) for dotted in named}
+
+        def link(match: re.Match[str]) -> str:
+            module, name = _split_dotted(match["dotted"])
+            return _reference(module, name, match["dotted"])
+
+        def link_names(bullet: re.Match[str]) -> str:
+            return API_NAME.sub(link, bullet.group(0))
+
+        text = API_BULLET.sub(link_names, text).rstrip("\n")
+        # What the lesson imports under another path counts as listed when it is the same object.
+        listed_objects = {id(_value(m, n)) for m, n in listed}
+        extra = [
+            f"- {_reference(m, n, f'{m}.{n}' if n else m)}"
+            for m, n in imports
+            if (m, n) not in listed and id(_value(m, n)) not in listed_objects
+        ]
+        cells[own] = {**cells[own], "source": "\n".join([text, *extra]) + "\n"}
+        return {**notebook, "cells": cells}
     if not imports:
         return notebook
-    items = []
-    for module, name in imports:
-        page = documented_on(module, name)
-        if name and not inspect.ismodule(getattr(importlib.import_module(module), name, None)):
-            items.append(f"- {{py:obj}}`{page}.{name}`")
-        else:
-            items.append(f"- {{doc}}`{page} </api/{page}>`")
+    items = [f"- {_reference(m, n)}" for m, n in imports]
     cell = {
         "cell_type": "markdown",
         "id": "fsdp-guide-api-links",
@@ -96,7 +171,17 @@ def with_api_section(notebook: dict[str, Any]) -> dict[str, Any]:
         + "\n".join(items)
         + "\n",
     }
-    return {**notebook, "cells": [*notebook.get("cells", []), cell]}
+    return {**notebook, "cells": [*cells, cell]}
+
+
+def _text(cell: dict[str, Any]) -> str:
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else str(source)
+
+
+def _value(module: str, name: str) -> Any:
+    imported = importlib.import_module(module)
+    return getattr(imported, name) if name else imported
 
 
 def notebook_title(path: Path) -> str:

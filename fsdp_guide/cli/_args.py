@@ -328,3 +328,19 @@ def wrap_policy(text: str) -> WrapArg:
         if not (colon and module and name.isidentifier()):
             raise argparse.ArgumentTypeError(f"must be {WRAP_FORMS}, got {shown(text)}")
     return WrapArg(text=value, rule="layers", classes=paths)
+
+
+def schedule_name(text: str) -> str:
+    """A ``type=`` for a pipeline schedule: torch's name, any case.
+
+    Examples:
+        >>> schedule_name("gpipe")
+        'GPipe'
+    """
+    from fsdp_guide.errors import PlanError
+    from fsdp_guide.memory import pipeline_schedule
+
+    try:
+        return pipeline_schedule(text, ranks=1, microbatches=1).name
+    except PlanError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

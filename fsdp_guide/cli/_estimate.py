@@ -16,6 +16,7 @@ from fsdp_guide.cli._args import (
     int_at_least,
     key_value,
     positive_size,
+    schedule_name,
     seconds,
     wrap_policy,
 )
@@ -151,6 +152,66 @@ def add_parser(sub: Any) -> None:
         "over the tensor-parallel ranks too",
     )
     p.add_argument(
+        "--pipeline-parallel",
+        type=int_at_least(1),
+        default=1,
+        metavar="P",
+        help="with --model: pipeline ranks; the model (an nn.Sequential, or one with "
+        "pipeline_layers()) is cut into stages of whole layers on a (P, data, tensor) mesh; "
+        "--batch-size is then each pipeline's batch; planned in fp32 (--precision fp32) with "
+        "fsdp2 on the data-parallel ranks; default 1",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int_at_least(1),
+        default=None,
+        metavar="M",
+        help="with --pipeline-parallel: micro-batches per step, dividing --batch-size; default P",
+    )
+    p.add_argument(
+        "--schedule",
+        type=schedule_name,
+        default=None,
+        metavar="NAME",
+        help="with --pipeline-parallel: GPipe, 1F1B (default), Interleaved1F1B, "
+        "InterleavedZeroBubble or ZBVZeroBubble, torch.distributed.pipelining's schedules",
+    )
+    p.add_argument(
+        "--stages-per-rank",
+        type=int_at_least(1),
+        default=None,
+        metavar="V",
+        help="with --pipeline-parallel: stages each pipeline rank holds; 1 for GPipe and "
+        "1F1B, default 2 for the others",
+    )
+    p.add_argument(
+        "--context-parallel",
+        type=int_at_least(1),
+        default=1,
+        metavar="C",
+        help="with --model or --hf: ranks per context-parallel group; each computes 1/C of "
+        "every sequence and its attention passes K/V blocks round a ring (ring attention); "
+        "--batch-size is then per group; default 1",
+    )
+    p.add_argument(
+        "--cp-layout",
+        choices=("zigzag", "naive"),
+        default="zigzag",
+        help="with --context-parallel: cut each sequence into 2C chunks, rank r taking chunks "
+        "r and 2C-1-r (zigzag, balanced causal work; the sequence must divide by 2C), or into "
+        "C consecutive chunks (naive); default zigzag",
+    )
+    p.add_argument(
+        "--expert-parallel",
+        type=int_at_least(1),
+        default=1,
+        metavar="E",
+        help="with --model or --hf and a mixture of experts: ranks per expert-parallel group; "
+        "each keeps 1/E of every layer's experts (sharded by fsdp2 over the ranks holding the "
+        "same ones) and all-to-alls route the tokens, planned for a balanced router; needs "
+        "--activations; default 1",
+    )
+    p.add_argument(
         "--activations",
         type=positive_size,
         default=None,
@@ -266,6 +327,27 @@ def _run(args: argparse.Namespace) -> int:
             "--activations replaces a real model's traced activations (--model "
             "package.module:builder or --hf TYPE); --params plans the model state only"
         )
+    pipeline = [args.microbatches, args.schedule, args.stages_per_rank]
+    if args.pipeline_parallel == 1 and any(v is not None for v in pipeline):
+        raise CommandError(
+            "--microbatches, --schedule and --stages-per-rank shape a pipeline: pass "
+            "--pipeline-parallel P (P > 1) as well"
+        )
+    if args.pipeline_parallel > 1 and args.model is None:
+        raise CommandError(
+            "--pipeline-parallel needs a real model (--model package.module:builder): its "
+            "stages are the model's layers"
+        )
+    if args.pipeline_parallel > 1 and args.precision != "fp32":
+        raise CommandError("--pipeline-parallel is planned in fp32: add --precision fp32")
+    if args.model is None and args.hf is None:
+        for flag, value in (("--context-parallel", args.context_parallel),
+                            ("--expert-parallel", args.expert_parallel)):  # fmt: skip
+            if value > 1:
+                raise CommandError(
+                    f"{flag} needs a real model (--model package.module:builder or --hf TYPE): "
+                    "what it cuts is the model's sequence or experts, which --params does not have"
+                )
     if args.sequence_parallel and args.tensor_parallel == 1:
         raise CommandError(
             "--sequence-parallel cuts the sequence over the tensor-parallel ranks: pass "

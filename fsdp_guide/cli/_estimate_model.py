@@ -174,6 +174,19 @@ def _bf16_kind(strategy: str, precision: str) -> Literal["params", "autocast"]:
     return "params" if mixed else "autocast"
 
 
+def _pipeline_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``plan()``'s pipeline keywords from the command line (none without a pipeline)."""
+    pp = getattr(args, "pipeline_parallel", 1)
+    if pp == 1:
+        return {}
+    return {
+        "pipeline_parallel": pp,
+        "microbatches": args.microbatches,
+        "schedule": args.schedule,
+        "stages_per_rank": args.stages_per_rank,
+    }
+
+
 def run_model(args: argparse.Namespace) -> int:
     """Plan ``args.model`` for each strategy; print a table (or JSON) and a recommendation."""
     from fsdp_guide.catalog import STRATEGIES
@@ -184,7 +197,11 @@ def run_model(args: argparse.Namespace) -> int:
     from fsdp_guide.models import MLP
 
     tp = getattr(args, "tensor_parallel", 1)
-    names = default_strategies(args, args.strategy or (["fsdp2"] if tp > 1 else list(STRATEGIES)))
+    pp = getattr(args, "pipeline_parallel", 1)
+    cp, ep = getattr(args, "context_parallel", 1), getattr(args, "expert_parallel", 1)
+    names = default_strategies(
+        args, args.strategy or (["fsdp2"] if tp > 1 or pp > 1 or ep > 1 else list(STRATEGIES))
+    )
     plans: list[Plan] = []
     with_units = [name for name in names if follows_units(engine_for(name))]
     if args.wrap is not None and not with_units:
@@ -209,13 +226,13 @@ def run_model(args: argparse.Namespace) -> int:
             batch = example_batch(model, args.input or ())
             seq_len = args.seq_len or (default_seq_len(model) if batch.uses_seq_len else 1)
             # One trace serves every strategy that runs bf16 the same way (autocast, or cast
-            # parameters; in fp32 all are alike); with tensor parallelism, plan() traces the
-            # model as one rank cuts it.
+            # parameters; in fp32 all are alike); with tensor or context parallelism, plan()
+            # traces the model as one rank cuts it.
             traces: dict[str, int] = {}
             measured = getattr(args, "activations", None)  # stated: no trace
             # Name patterns freeze parameters inside plan(), which then traces for itself.
-            shared = tp == 1 and measured is None and patterns(args.trainable) is None
-            for name in names if shared else []:
+            shared = tp == pp == cp == ep == 1 and measured is None
+            for name in names if shared and patterns(args.trainable) is None else []:
                 kind = _bf16_kind(name, args.precision)
                 if kind not in traces:
                     traces[kind] = traced_activation_bytes(
@@ -241,7 +258,11 @@ def run_model(args: argparse.Namespace) -> int:
                     activations=measured or traces.get(_bf16_kind(name, args.precision)),
                     tensor_parallel=tp,
                     sequence_parallel=getattr(args, "sequence_parallel", False),
+                    context_parallel=cp,
+                    cp_layout=getattr(args, "cp_layout", "zigzag"),
+                    expert_parallel=ep,
                     batch=batch.build,
+                    **_pipeline_options(args),
                     policy=policy,
                     grad_accumulation=args.grad_accum,
                     sync_each_micro_step=args.sync_each_micro_step,
@@ -279,7 +300,9 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
 
     The recommendation (:func:`~fsdp_guide.memory.recommend`) is the strategy that fits
     (within ``gpu_memory`` less the margin) on the best-maintained engine (FSDP2 before FSDP1,
-    both before FairScale), with the least communication per step, then the least memory.
+    both before FairScale), with the least communication per step, then the least memory;
+    under it, the fine-tuning recipe of the repository's ``examples/recipes`` that trains
+    that way.
 
     Examples:
         >>> from fsdp_guide.memory import plan
@@ -294,8 +317,10 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
         fsdp2     0.28 MB  0.28 MB  0.57 MB    26.11 KB     1.14 MB    2.30 MB  1.14 MB    yes
         recommended: fsdp2 (fits 2.60 MB with 10% margin; maintained engines first,
         then the least communication)
+        recipe: examples/recipes/fsdp2_finetune.py
     """
     from fsdp_guide.cli._estimate import readable
+    from fsdp_guide.cli._recipe import recipe_for
     from fsdp_guide.compare import text_table
     from fsdp_guide.memory import format_bytes, recommend
 
@@ -327,6 +352,7 @@ def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 
                 f"recommended: {best.strategy} (fits {size} with {margin:.0%} margin; "
                 "maintained engines first, then the least communication)"
             )
+            out.append(f"recipe: {recipe_for(best.strategy)}")
         else:
             out.append(f"recommended: none fits {size} with {margin:.0%} margin; add GPUs")
     return "\n".join(out)

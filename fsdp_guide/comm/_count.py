@@ -7,7 +7,9 @@ mode is thread-local, so collectives issued from another thread (the ``.then`` c
 a DDP communication hook such as PowerSGD run on gloo's threads) are not seen. The counter
 notices them through the process groups' sequence numbers, which every collective of a group
 advances whichever thread issues it, and marks the result ``complete=False`` with a reason:
-a short count is never silent.
+a short count is never silent. With ``all_threads=True`` the counter also counts the
+``torch.distributed`` calls (``all_reduce``, ``all_gather``, ...) that other threads make
+while the block runs, which is how such callbacks communicate.
 
 **Payload, the unit counted.** For each collective, the elements of the *logical* tensor it
 works on: the tensor all-reduced, broadcast or reduced; the full (input) tensor of a
@@ -20,8 +22,9 @@ gradients is "Ψ" of payload, whatever algorithm moves it. See
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -289,6 +292,76 @@ def _sequence_numbers() -> dict[Any, int | None]:
     return numbers
 
 
+# ``torch.distributed`` functions that other threads may call while counting all threads:
+# name -> (kind, the positional index and keyword of the argument holding the payload).
+_PYTHON_CALLS: dict[str, tuple[CollectiveKind, int, str]] = {
+    "all_reduce": ("all_reduce", 0, "tensor"),
+    "broadcast": ("broadcast", 0, "tensor"),
+    "reduce": ("reduce", 0, "tensor"),
+    "all_gather": ("all_gather", 0, "tensor_list"),  # the full outputs
+    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
+    "reduce_scatter": ("reduce_scatter", 1, "input_list"),  # the full inputs
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
+}
+
+
+class _OtherThreads:
+    """Counts the ``torch.distributed`` calls made from threads other than ``thread``.
+
+    While active, each function of :data:`_PYTHON_CALLS` is replaced, in ``torch.distributed``
+    and in ``distributed_c10d`` where it is defined, by a wrapper that records the call's
+    payload when it runs on another thread and then calls the original. Calls on ``thread``
+    itself reach the dispatch mode, which counts them.
+    """
+
+    def __init__(self, thread: int) -> None:
+        self.thread = thread
+        self.lock = threading.Lock()
+        self.counts: dict[str, list[Any]] = {}
+        self.per_group: dict[int, int] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _wrapped(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        kind, index, keyword = _PYTHON_CALLS[name]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != self.thread:
+                payload = args[index] if len(args) > index else kwargs.get(keyword)
+                self._record(kind, list(_tensors(payload)), kwargs.get("group"))
+            return original(*args, **kwargs)
+
+        call.__wrapped__ = original  # type: ignore[attr-defined]
+        return call
+
+    def _record(self, kind: str, tensors: list[torch.Tensor], group: Any) -> None:
+        if group is None:
+            group = torch.distributed.distributed_c10d._get_default_group()
+        elements = sum(t.numel() for t in tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        with self.lock:
+            calls, total, total_bytes, seen = self.counts.setdefault(kind, [0, 0, 0, set()])
+            dtypes = seen | {str(t.dtype) for t in tensors}
+            self.counts[kind] = [calls + 1, total + elements, total_bytes + nbytes, dtypes]
+            self.per_group[id(group)] = self.per_group.get(id(group), 0) + 1
+
+    def __enter__(self) -> _OtherThreads:
+        from torch.distributed import distributed_c10d
+
+        for name in _PYTHON_CALLS:
+            original = getattr(distributed_c10d, name)
+            wrapper = self._wrapped(name, original)
+            for module in (torch.distributed, distributed_c10d):
+                if getattr(module, name, None) is original:
+                    self._saved.append((module, name, original))
+                    setattr(module, name, wrapper)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, name, original in reversed(self._saved):
+            setattr(module, name, original)
+        self._saved.clear()
+
+
 class CommCounter:
     """The live handle :func:`count_collectives` yields; read its ``stats`` after the block."""
 
@@ -308,14 +381,22 @@ class CommCounter:
 
 
 @contextmanager
-def count_collectives() -> Iterator[CommCounter]:
+def count_collectives(all_threads: bool = False) -> Iterator[CommCounter]:
     """Count the collectives this rank issues while the block runs, per kind.
 
     Every ``torch.ops.c10d`` op issued on this thread is counted with its exact tensors.
-    Collectives issued from other threads are not counted. Every process group (gloo, NCCL)
-    advances a sequence number per collective, point-to-point included, whichever thread
-    issues it: when a group advanced by more than was seen on it, the result says
-    ``complete=False``, how many were missed and why.
+    Collectives issued from other threads are not counted, unless ``all_threads`` is set.
+    Every process group (gloo, NCCL) advances a sequence number per collective,
+    point-to-point included, whichever thread issues it: when a group advanced by more than
+    was seen on it, the result says ``complete=False``, how many were missed and why.
+
+    Args:
+        all_threads: Also count the ``torch.distributed`` calls (``all_reduce``,
+            ``broadcast``, ``reduce``, ``all_gather``, ``all_gather_into_tensor``,
+            ``reduce_scatter``, ``reduce_scatter_tensor``) that other threads make during
+            the block: the ``.then`` callbacks of a DDP communication hook such as
+            PowerSGD's run on gloo's threads and communicate through them. The functions are
+            replaced for the whole process while the block runs.
 
     Yields:
         A :class:`CommCounter`; its ``stats`` is a :class:`CommStats` after the block.
@@ -330,17 +411,35 @@ def count_collectives() -> Iterator[CommCounter]:
         ...     _ = torch.ones(3) * 2
         >>> counter.stats.calls, counter.stats.complete
         (0, True)
+        >>> with count_collectives(all_threads=True) as counter:
+        ...     _ = torch.ones(3) * 2
+        >>> counter.stats.calls
+        0
     """
     counter = CommCounter()
     before = _sequence_numbers()
     thread = threading.get_ident()
     mode = _Mode()
-    with mode:
-        yield counter
+    others = _OtherThreads(thread)
+    with contextlib.ExitStack() as stack:
+        if all_threads:
+            stack.enter_context(others)
+        with mode:
+            yield counter
     if threading.get_ident() != thread:  # pragma: no cover - contextmanager keeps the thread
         raise RuntimeError("count_collectives must end on the thread it started on")
     after = _sequence_numbers()
     unseen, unreadable = 0, []
+    for key, count in others.per_group.items():
+        mode.per_group[key] = mode.per_group.get(key, 0) + count
+    for kind, (calls, elements, nbytes, dtypes) in others.counts.items():
+        have = mode.counts.setdefault(kind, [0, 0, 0, set()])
+        mode.counts[kind] = [
+            have[0] + calls,
+            have[1] + elements,
+            have[2] + nbytes,
+            have[3] | dtypes,
+        ]
     for group, start in before.items():
         end = after.get(group)
         seen = mode.per_group.get(id(group), 0)
@@ -353,7 +452,8 @@ def count_collectives() -> Iterator[CommCounter]:
     if unseen:
         reasons.append(
             f"{unseen} collective(s) were issued from another thread (a DDP communication "
-            "hook's callbacks, say) and are not in the counts"
+            "hook's callbacks, say) and are not in the counts; count_collectives("
+            "all_threads=True) counts them"
         )
     if unreadable:
         reasons.append("a process group has no sequence number, so other threads are unchecked")

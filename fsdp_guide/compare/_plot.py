@@ -43,7 +43,9 @@ def _bar_groups(rows: Sequence[ComparisonRow]) -> list[tuple[str, ComparisonRow]
 def plot_comparison(rows: Sequence[ComparisonRow], path: str | Path | None = None) -> Any:
     """Bar chart: measured bytes per strategy (stacked by kind) next to the prediction.
 
-    Ranks that hold the same bytes share one bar; otherwise each rank gets its own.
+    Ranks that hold the same bytes share one bar; otherwise each rank gets its own. A
+    measured bar stacks the same kinds as :func:`comparison_table`'s ``measured`` column
+    (buckets and a master copy included), so it is as tall as that column says.
 
     matplotlib is imported here, with the non-interactive Agg backend when saving to a file
     outside a notebook.
@@ -84,6 +86,8 @@ def plot_comparison(rows: Sequence[ComparisonRow], path: str | Path | None = Non
     kinds = [("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868")]
     if any(row.measured.master for row in shown):  # DeepSpeed's master copy, held apart
         kinds.insert(1, ("master", "#8172b3"))
+    if any(row.measured.buckets for row in shown):  # DDP's bucket copy: the table counts it too
+        kinds.insert(kinds.index(("grads", "#dd8452")) + 1, ("buckets", "#c49c94"))
     for kind, color in kinds:
         heights = [getattr(row.measured, kind) / 1e6 for row in shown]
         ax.bar(

@@ -55,12 +55,20 @@ from fsdp_guide.memory._allocations import Allocations, track_allocations
 from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
 from fsdp_guide.memory._plan import plan
 from fsdp_guide.memory._plan_record import Plan
+from fsdp_guide.memory._pp import pipeline_stages
+from fsdp_guide.memory._pp_record import PipelinePlan
 from fsdp_guide.memory._predict import (
     estimate_deepspeed_state,
     predict_model_state,
     state_per_rank,
 )
 from fsdp_guide.memory._recommend import recommend
+from fsdp_guide.memory._schedule import (
+    PipelineAction,
+    PipelineSchedule,
+    TimedAction,
+    pipeline_schedule,
+)
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._trace import build_on_meta, traced_activation_bytes
 from fsdp_guide.memory._zero import (
@@ -80,8 +88,12 @@ __all__ = [
     "ModelState",
     "OptimizerName",
     "PeakMemory",
+    "PipelineAction",
+    "PipelinePlan",
+    "PipelineSchedule",
     "Plan",
     "Precision",
+    "TimedAction",
     "build_on_meta",
     "bytes_per_param",
     "estimate_deepspeed_state",
@@ -90,6 +102,8 @@ __all__ = [
     "measure_model_state",
     "parse_size",
     "peak_memory",
+    "pipeline_schedule",
+    "pipeline_stages",
     "plan",
     "predict_model_state",
     "recommend",

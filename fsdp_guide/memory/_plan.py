@@ -22,40 +22,33 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
-from fsdp_guide.comm import CommPrediction, predict_communication
+from fsdp_guide.comm import CommPrediction
 from fsdp_guide.engines import (
-    ModelShape,
     StepSizes,
     Transient,
     UnitPolicy,
     UnitRule,
-    follows_units,
     model_shape,
-    module_calls,
-    unit_names,
-    unit_summary,
 )
-from fsdp_guide.errors import PlanError
-from fsdp_guide.memory._accumulation import gradient_payload, plan_accumulation
+from fsdp_guide.memory import _plan_steps as steps
+from fsdp_guide.memory._accumulation import plan_accumulation
 from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
-from fsdp_guide.memory._predict import state_per_rank
-from fsdp_guide.memory._request import MAX_RANKS, PlanRequest, resolve
+from fsdp_guide.memory._pp import combine, stage_requests
+from fsdp_guide.memory._request import PlanRequest, resolve
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._trace import (
     BatchBuilder,
     Checkpointing,
     ModelSource,
-    traced_activation_bytes,
 )
-from fsdp_guide.memory._trainable import TrainableRule, with_frozen
+from fsdp_guide.memory._trainable import TrainableRule
 from fsdp_guide.memory._zero import OptimizerName, Precision
 
 
@@ -72,12 +65,7 @@ def unit_params(model: nn.Module, policy: UnitRule | UnitPolicy = "blocks") -> t
         >>> unit_params(model), unit_params(model, "root")
         ((17472, 17472), (42880, 42880))
     """
-    return _unit_sizes(model_shape(model, policy))
-
-
-def _unit_sizes(shape: ModelShape) -> tuple[int, int]:
-    sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
-    return max(sizes), sizes[0]
+    return steps.unit_sizes(model_shape(model, policy))
 
 
 def plan(
@@ -98,6 +86,14 @@ def plan(
     tp_plan: Mapping[str, str] | None = None,
     settings: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
+    pipeline_parallel: int = 1,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    stages_per_rank: int | None = None,
+    context_parallel: int = 1,
+    cp_layout: str = "zigzag",
+    expert_parallel: int = 1,
+    expert_routing: Sequence[Sequence[Any]] | None = None,
     grad_accumulation: int = 1,
     sync_each_micro_step: bool = False,
     trainable: TrainableRule | None = None,
@@ -144,6 +140,46 @@ def plan(
             all-reduce of each rowwise layer becomes a reduce-scatter, each cut module's input
             and the head's input are all-gathered, backward mirrors them, and the norms'
             replicated weights have their gradients all-reduced over ``tp``.
+        pipeline_parallel: Pipeline ranks, ``p``: the ranks form a ``(p, dp, tp)`` mesh and
+            the model, an ``nn.Sequential`` of layers (or a model whose ``pipeline_layers()``
+            returns one), is cut into ``p · v`` contiguous stages (equal numbers of layers,
+            the larger stages last), each rank holding its schedule's. ``batch_size`` is then
+            the batch of one pipeline (per data-parallel group), split into micro-batches.
+            Planned in fp32 with ``"fsdp2"`` over the data-parallel ranks (run, as torchtitan
+            does, with ``reshard_after_forward=False``), or ``"ddp"``/``"fsdp2"`` when there
+            is one data-parallel rank (no engine then). :attr:`Plan.pipeline` holds the
+            stages, the schedule and each pipeline rank's plan.
+        microbatches: Micro-batches per step, ``m`` (default ``p``); must divide
+            ``batch_size``.
+        schedule: ``"GPipe"``, ``"1F1B"`` (default), ``"Interleaved1F1B"``,
+            ``"InterleavedZeroBubble"`` or ``"ZBVZeroBubble"``, torch's schedules
+            (:func:`fsdp_guide.memory.pipeline_schedule`). The activations are the schedule's
+            peak: the micro-batches in flight on the rank's stages after the forward that
+            holds the most. With a split backward (the zero-bubble schedules) a micro-batch
+            counts until its weights' gradient; the input's half frees part of it earlier, so
+            there the figure is an upper bound.
+        stages_per_rank: Stages each pipeline rank holds, ``v``: 1 for GPipe and 1F1B, 2 by
+            default for the others.
+        context_parallel: Ranks per context-parallel group, ``c``: each computes
+            ``seq_len / c`` tokens of every sample and its attention is a ring
+            (:func:`fsdp_guide.parallel.ring_attention`). The groups are taken from the
+            data-parallel ranks, which the strategy still shards over (the ranks of a group
+            hold the same weights); ``batch_size`` is then per context-parallel group. Adds
+            the ring's ``send`` and ``recv`` per step.
+        cp_layout: How the sequence is cut over a context-parallel group: ``"zigzag"``
+            (chunks ``r`` and ``2c - 1 - r`` of ``2c``, balanced causal work) or ``"naive"``.
+        expert_parallel: Ranks per expert-parallel group, ``e``, within the data-parallel
+            ranks (``"fsdp2"`` only): each keeps ``E / e`` experts of every
+            mixture-of-experts layer, laid out over the ``dp / e`` ranks holding the same
+            ones, while the dense layers are sharded over all ``dp``; adds the all-to-alls
+            that route the tokens. Needs ``activations=`` (what a rank's experts compute
+            depends on the routing).
+        expert_routing: Tokens each rank of an expert-parallel group sends each expert,
+            ``[rank][expert]`` for every mixture-of-experts layer alike, or
+            ``[layer][rank][expert]``; ``None`` plans a balanced router
+            (each rank receives as many token copies as it sends). With a routing,
+            :attr:`Plan.all_to_all` gives each rank's payload and the communication is the
+            busiest rank's.
         grad_accumulation: Micro-steps (forward and backward) per optimizer step, ``k``:
             :attr:`Plan.accumulation` says what each rank holds between them and sends over
             the ``k`` (``"ddp"``, ``"fsdp"`` and ``"fsdp2"`` engines).
@@ -166,11 +202,14 @@ def plan(
             builder, CPU offload with a strategy that does not shard parameters; a
             tensor-parallel degree that does not divide the ranks or the cut layers, with a
             strategy other than ``"fsdp2"``, or without a plan; ``sequence_parallel``
-            without tensor parallelism or with a ``seq_len`` that does not divide by it;
+            without tensor parallelism or with a ``seq_len`` that does not divide by it; a
+            world that is not ``pp x dp x tp`` ranks, more stages than layers, micro-batches
+            that do not divide the batch, or a pipeline with what it is not planned with;
             a bad ``grad_accumulation``, or an engine whose accumulation is not planned;
             a ``trainable`` that matches nothing, or frozen parameters under another engine
             than DDP and FSDP2; units that split a tied parameter (``fully_shard`` refuses
-            them too).
+            them too); accumulation or frozen parameters with pipeline, context or expert
+            parallelism (not planned together).
 
     Examples:
         >>> from fsdp_guide.memory import predict_model_state
@@ -209,115 +248,46 @@ def plan(
         tp_plan=tp_plan,
         settings=settings,
         sequence_parallel=sequence_parallel,
+        pipeline_parallel=pipeline_parallel,
+        microbatches=microbatches,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
+        context_parallel=context_parallel,
+        cp_layout=cp_layout,
+        expert_parallel=expert_parallel,
+        expert_routing=expert_routing,
         grad_accumulation=grad_accumulation,
         sync_each_micro_step=sync_each_micro_step,
         trainable=trainable,
     )
+    if request.pipeline_parallel > 1:
+        return _pipeline(request)
+    return _plan_request(request)[0]
+
+
+def _plan_request(request: PlanRequest) -> tuple[Plan, RankModel]:
+    """The plan of one request, and the model its rank computes."""
     rank = rank_model(request)
-    shape, units = _units(request, rank)
-    ranks, exact = _model_state(request, shape, rank)
-    saved = _activations(request, rank)
-    communication = _communication(request, rank, shape)
-    sizes = _step_sizes(request, rank, shape, saved)
+    shape, units = steps.units(request, rank)
+    ranks, exact = steps.model_state(request, shape, rank)
+    saved = steps.activations(request, rank)
+    communication = steps.communication(request, rank, shape)
+    sizes = steps.step_sizes(request, rank, shape, saved)
     accumulation = plan_accumulation(request, rank, ranks, communication)
-    return replace(
-        _assemble(request, units, ranks, exact, sizes, communication),
+    assembled = _assemble(request, units, ranks, exact, sizes, communication, rank.all_to_all)
+    plan = replace(
+        assembled,
         trainable_params=request.trainable_params,
         frozen_params=request.frozen_params,
         accumulation=accumulation,
     )
+    return plan, rank
 
 
-def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
-    """The rank's model cut into units by the request's policy, and that cut in words for
-    an engine whose figures follow it."""
-    try:
-        names = unit_names(rank.model, request.policy)
-        shape = model_shape(rank.model, request.policy)
-    except ValueError as exc:
-        raise PlanError(str(exc)) from exc
-    if not follows_units(request.engine):
-        return shape, ""
-    return shape, unit_summary(rank.model, names, request.policy)
-
-
-def _model_state(
-    request: PlanRequest, shape: ModelShape, rank: RankModel
-) -> tuple[tuple[ModelState, ...], bool]:
-    """Each rank's state after the optimizer step, and whether it is the engine's to the byte.
-
-    The engine lays the state out over the data-parallel ranks; the mesh is row-major, so
-    the ``tensor_parallel`` ranks of a group share their data-parallel rank's layout.
-    Frozen parameters are weights only: the gradients and optimizer state are those of
-    the trainable ones.
-    """
-    args = (request.engine, shape, request.data_parallel, request.precision, request.optimizer)
-    by_dp, exact = state_per_rank(*args)
-    if request.frozen_params:
-        trainable = model_shape(rank.model, request.policy, trainable_only=True)
-        by_dp = with_frozen(by_dp, state_per_rank(request.engine, trainable, *args[2:])[0])
-    tp = request.tensor_parallel
-    return tuple(by_dp[r // tp] for r in range(request.world_size)), exact
-
-
-def _activations(request: PlanRequest, rank: RankModel) -> int:
-    """The bytes autograd saves in the rank's forward: given, or traced on fake tensors."""
-    if request.activations is not None:
-        return request.activations
-    return traced_activation_bytes(
-        rank.model,
-        request.batch_size,
-        request.seq_len,
-        precision=request.precision,
-        activation_checkpointing=request.checkpointing,
-        batch=request.batch,
-        mixed="params" if request.engine.mixed_precision == "params" else "autocast",
-    )
-
-
-def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> CommPrediction:
-    """The engine's collectives over the data-parallel ranks, and those the cuts add."""
-    predicted = predict_communication(
-        request.strategy, shape.num_params, request.data_parallel, request.comm_dtype, shape=shape
-    )
-    gradients = gradient_payload(request, rank)
-    if request.frozen_params:  # only the trainable parameters' gradients are reduced
-        predicted = replace(predicted, payload={**predicted.payload, **gradients})
-    reduce = request.engine.reduce_bytes(predicted.element_size)
-    if reduce != predicted.element_size:  # reduced in another dtype than gathered
-        predicted = replace(predicted, element_sizes=dict.fromkeys(gradients, reduce))
-    if not rank.payload:
-        return predicted
-    payload = dict(predicted.payload)
-    for kind, elements in rank.payload.items():
-        payload[kind] = payload.get(kind, 0) + elements
-    # A kind the engine issues keeps its group; one only the cuts issue takes theirs.
-    groups = {k: g for k, g in rank.groups.items() if k not in predicted.payload}
-    return replace(
-        predicted,
-        num_params=sum(p.numel() for p in request.model.parameters()),
-        world_size=request.world_size,
-        payload=payload,
-        group_sizes={**predicted.group_sizes, **groups},
-    )
-
-
-def _step_sizes(
-    request: PlanRequest, rank: RankModel, shape: ModelShape, activations: int
-) -> StepSizes:
-    """The sizes the engine's step peak reads, in bytes."""
-    per = request.per_param
-    largest, root = _unit_sizes(shape)
-    return StepSizes(
-        params=per.params * shape.num_params,
-        grads=per.grads * shape.num_params,
-        largest_unit=per.params * largest,
-        largest_unit_grads=per.grads * largest,
-        root_unit=per.params * root,
-        activations=activations,
-        calls=module_calls(rank.model),
-        blocks=len(shape.units) - 1,
-    )
+def _pipeline(request: PlanRequest) -> Plan:
+    """A plan per pipeline rank (its stages, their engine), combined into one."""
+    subs = [_plan_request(r) for r in stage_requests(request)]
+    return combine(request, [p for p, _ in subs], [r.model for _, r in subs])
 
 
 def _assemble(
@@ -327,6 +297,7 @@ def _assemble(
     exact: bool,
     sizes: StepSizes,
     communication: CommPrediction,
+    all_to_all: tuple[int, ...] = (),
 ) -> Plan:
     """The :class:`Plan`: the fullest rank's state, what it keeps between steps, the engine's
     transient buffer and step peak."""
@@ -373,4 +344,7 @@ def _assemble(
         units=units,
         sequence_parallel=request.sequence_parallel,
         kept_params=0 if gathered is None else gathered.after_forward,
+        context_parallel=request.context_parallel,
+        expert_parallel=request.expert_parallel,
+        all_to_all=all_to_all,
     )

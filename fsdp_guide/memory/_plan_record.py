@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fsdp_guide.comm import CommPrediction
 from fsdp_guide.memory._accumulation import Accumulation
+from fsdp_guide.memory._pp_record import PipelinePlan
 from fsdp_guide.memory._state import ModelState
 
 
@@ -52,6 +53,18 @@ class Plan:
         kept_params: Bytes of whole parameters still gathered when forward returns,
             beyond the state, alive with the activations: DeepSpeed ZeRO-3 keeps those it
             uses again soon (every one of a small model); 0 for the other strategies.
+        pipeline_parallel: Pipeline ranks (1: none); the ranks are then a ``(pp, dp, tp)``
+            mesh, ``ranks`` are every rank's and the other figures those of the pipeline rank
+            whose total is the largest.
+        pipeline: The stages, the schedule and each pipeline rank's plan; ``None`` without
+            a pipeline.
+        context_parallel: Ranks of each context-parallel group (1: none); the activations
+            and the ring's messages are then those of a rank computing ``seq_len / c``
+            tokens.
+        expert_parallel: Ranks of each expert-parallel group (1: none).
+        all_to_all: With expert parallelism, each rank of an expert-parallel group's
+            all-to-all payload elements per step, ``all_to_all[r]`` for its ``r``-th rank
+            (``communication`` holds the largest); empty otherwise.
         trainable_params: Parameters that train (``requires_grad``): they alone have
             gradients and optimizer state.
         frozen_params: Parameters that do not (a frozen base under LoRA adapters).
@@ -79,13 +92,22 @@ class Plan:
     units: str = ""
     sequence_parallel: bool = False
     kept_params: int = 0
+    pipeline_parallel: int = 1
+    pipeline: PipelinePlan | None = None
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    all_to_all: tuple[int, ...] = ()
     trainable_params: int = 0
     frozen_params: int = 0
     accumulation: Accumulation | None = None
 
     @property
     def fullest_rank(self) -> int:
-        """The rank whose state is ``state`` (the lowest, when several hold as much)."""
+        """The rank whose state is ``state`` (the lowest, when several hold as much); with a
+        pipeline, the lowest rank whose total is the largest."""
+        if self.pipeline is not None:
+            totals = [self.rank_total(r) for r in range(self.world_size)]
+            return totals.index(max(totals))
         return self.ranks.index(self.state) if self.state in self.ranks else 0
 
     @property
@@ -100,6 +122,8 @@ class Plan:
 
     def rank_total(self, rank: int) -> int:
         """Peak bytes on the accelerator of ``rank``."""
+        if self.pipeline is not None:  # its stages' activations and buffers
+            return self.pipeline.plan_of(rank).rank_total(rank)
         state = 0 if self.cpu_offload else self.ranks[rank].total
         return state + self.activations + self.transient
 
@@ -129,6 +153,13 @@ class Plan:
             [260, 220]
         """
         index = self.fullest_rank if rank is None else rank
+        if self.pipeline is not None:
+            row = self.pipeline.plan_of(index).as_dict(index)
+            row["pipeline_rank"] = self.pipeline.pipeline_rank(index)
+            row["stages"] = ",".join(map(str, self.pipeline.stages_of(index)))
+            row["schedule"] = self.pipeline.schedule.name
+            row["microbatches"] = self.pipeline.schedule.microbatches
+            return {**row, "pipeline_parallel": self.pipeline_parallel}
         state = self.ranks[index] if self.ranks else self.state
         return {
             "strategy": self.strategy,
@@ -152,6 +183,8 @@ class Plan:
             "kept_params": self.kept_params,
             "trainable_params": self.trainable_params,
             "frozen_params": self.frozen_params,
+            "context_parallel": self.context_parallel,
+            "expert_parallel": self.expert_parallel,
             **self._accumulation_dict(index),
         }
 

@@ -23,6 +23,9 @@ from fsdp_guide.catalog import get_strategy
 from fsdp_guide.engines import Engine, UnitPolicy, UnitRule, engine_for
 from fsdp_guide.errors import PlanError
 from fsdp_guide.memory._accumulation import check_accumulation
+from fsdp_guide.memory._cp import check_context_parallel
+from fsdp_guide.memory._ep import check_expert_parallel
+from fsdp_guide.memory._pp_checks import check_pipeline
 from fsdp_guide.memory._trace import BatchBuilder, Checkpointing, build_on_meta, check_sizes
 from fsdp_guide.memory._trainable import TrainableRule, apply_trainable, check_frozen, check_tied
 from fsdp_guide.memory._zero import BytesPerParam, OptimizerName, Precision, bytes_per_param
@@ -52,6 +55,19 @@ class PlanRequest:
         tensor_parallel: Ranks per tensor-parallel group (1: none).
         tp_plan: Layer name (or pattern) to style, or ``None`` for the model's own.
         sequence_parallel: Whether the sequence is cut over the tensor-parallel ranks too.
+        pipeline_parallel: Pipeline ranks (1: none); the mesh is ``(pp, dp, tp)``.
+        microbatches: Micro-batches per step of the pipeline.
+        schedule: The pipeline schedule, torch's name (``"1F1B"``).
+        stages_per_rank: Pipeline stages each pipeline rank holds.
+        pipeline_rank: The pipeline rank whose stages are planned.
+        context_parallel: Ranks per context-parallel group (1: none), within the
+            data-parallel ranks.
+        cp_layout: How the sequence is cut over them: ``"naive"`` or ``"zigzag"``.
+        expert_parallel: Ranks per expert-parallel group (1: none), within the
+            data-parallel ranks.
+        expert_routing: Tokens each rank of an expert-parallel group sends each expert of
+            each mixture-of-experts layer, ``[layer][rank][expert]``, or ``None`` for a
+            balanced router.
         grad_accumulation: Micro-steps per optimizer step.
         sync_each_micro_step: Whether each micro-step reduces its gradients.
         trainable_params: Parameters that train (``requires_grad``).
@@ -74,6 +90,15 @@ class PlanRequest:
     tensor_parallel: int
     tp_plan: Mapping[str, str] | None
     sequence_parallel: bool
+    pipeline_parallel: int = 1
+    microbatches: int = 1
+    schedule: str = "1F1B"
+    stages_per_rank: int = 1
+    pipeline_rank: int = 0
+    context_parallel: int = 1
+    cp_layout: str = "zigzag"
+    expert_parallel: int = 1
+    expert_routing: tuple[tuple[tuple[int, ...], ...], ...] | None = None
     grad_accumulation: int = 1
     sync_each_micro_step: bool = False
     trainable_params: int = 0
@@ -97,8 +122,9 @@ class PlanRequest:
 
     @property
     def data_parallel(self) -> int:
-        """Ranks the strategy shards over: the world, less the tensor-parallel groups."""
-        return self.world_size // self.tensor_parallel
+        """Ranks the strategy shards over: the world, less the tensor- and pipeline-parallel
+        groups."""
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
 
 
 def _int_at_least(name: str, value: object, minimum: int) -> int:
@@ -144,6 +170,14 @@ def resolve(
     tp_plan: Mapping[str, str] | None,
     settings: Mapping[str, Any] | None,
     sequence_parallel: bool,
+    pipeline_parallel: int = 1,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    stages_per_rank: int | None = None,
+    context_parallel: int = 1,
+    cp_layout: str = "zigzag",
+    expert_parallel: int = 1,
+    expert_routing: Any = None,
     grad_accumulation: int = 1,
     sync_each_micro_step: bool = False,
     trainable: TrainableRule | None = None,
@@ -192,6 +226,37 @@ def resolve(
     check_tied(model, policy)
     tp = _check_tensor_parallel(engine, world_size, tensor_parallel)
     _check_sequence_parallel(sequence_parallel, tp, seq_len)
+    pipeline = check_pipeline(
+        model,
+        name=name,
+        settings=settings,
+        world_size=world_size,
+        tensor_parallel=tp,
+        batch_size=batch_size,
+        precision=precision,
+        sequence_parallel=sequence_parallel,
+        pipeline_parallel=pipeline_parallel,
+        microbatches=microbatches,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
+    )
+    cp = check_context_parallel(context_parallel, cp_layout, world_size // tp, seq_len)
+    if cp > 1 and sequence_parallel:
+        raise PlanError("sequence_parallel with context_parallel > 1 is not planned: pick one")
+    ep, routing = check_expert_parallel(
+        expert_parallel, expert_routing, model, engine, world_size // tp, activations
+    )
+    if ep > 1 and tp > 1:
+        raise PlanError("expert_parallel with tensor_parallel > 1 is not planned: pick one")
+    if pipeline.get("pipeline_parallel", 1) > 1 and (cp > 1 or ep > 1):
+        raise PlanError(
+            "pipeline_parallel with context_parallel or expert_parallel is not planned: pick one"
+        )
+    if (k > 1 or frozen_params) and (pipeline.get("pipeline_parallel", 1) > 1 or cp > 1 or ep > 1):
+        what = "grad_accumulation > 1" if k > 1 else "frozen parameters"
+        raise PlanError(
+            f"{what} with pipeline, context or expert parallelism is not planned: plan them apart"
+        )
     return PlanRequest(
         model=model,
         strategy=name,
@@ -209,6 +274,11 @@ def resolve(
         tensor_parallel=tp,
         tp_plan=tp_plan,
         sequence_parallel=sequence_parallel,
+        **pipeline,
+        context_parallel=cp,
+        cp_layout=cp_layout,
+        expert_parallel=ep,
+        expert_routing=routing,
         grad_accumulation=k,
         sync_each_micro_step=sync,
         trainable_params=trainable_params,

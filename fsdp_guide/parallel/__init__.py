@@ -7,11 +7,35 @@ builds a ``(dp, tp)`` device mesh and :func:`parallelize` applies ``parallelize_
 ``tp`` and ``fully_shard`` on ``dp``. :func:`fsdp_guide.memory.plan` with
 ``tensor_parallel=`` predicts what each rank then holds and sends; :func:`train_2d` (a
 launched rank) measures it, and :func:`reference_losses` trains the same model unsharded.
+
+Pipeline parallelism cuts the model into stages of whole layers instead
+(:meth:`ParallelTransformer.pipeline_layers`: its embeddings, the blocks, its norm and
+head): :func:`build_pipeline` puts this rank's stages under one of
+``torch.distributed.pipelining``'s schedules, FSDP2 on a data-parallel mesh if given, and
+:func:`train_pipeline` (a launched rank) measures what ``plan(..., pipeline_parallel=p)``
+predicts, and when each action ran.
+
+Context parallelism cuts the sequence: :func:`ring_attention` computes exact attention over
+a sequence spread over ranks (each rank's share cut by :func:`shard_sequence`), passing K/V
+blocks round a ring of point-to-point messages; :func:`ring_schedule` says how much of a
+block each rank computes at each step (causal masking leaves ranks idle unless the sequence
+is cut ``"zigzag"``), :func:`record_ring_steps` times the steps and :func:`plot_ring_steps`
+draws them, and :func:`train_context_parallel` trains :class:`ParallelTransformer` that way
+with FSDP2.
+
+Expert parallelism spreads a mixture of experts' experts over ranks:
+:class:`ExpertParallelMoE` takes a transformers MoE block and routes its tokens with two
+all-to-alls (:class:`Routing` says what one forward sent and received);
+:func:`train_expert_parallel` trains a transformers MoE model that way with FSDP2, and
+:func:`reference_moe_losses` trains it in one process.
 """
 
 from __future__ import annotations
 
 from fsdp_guide.parallel._apply import mesh_2d, parallelize
+from fsdp_guide.parallel._context import train_context_parallel
+from fsdp_guide.parallel._experts import ExpertParallelMoE, Routing
+from fsdp_guide.parallel._experts_run import reference_moe_losses, train_expert_parallel
 from fsdp_guide.parallel._model import (
     TP_PLAN,
     Attention,
@@ -20,18 +44,38 @@ from fsdp_guide.parallel._model import (
     ParallelConfig,
     ParallelTransformer,
 )
+from fsdp_guide.parallel._pipeline import Pipeline, build_pipeline
+from fsdp_guide.parallel._pipeline_plot import plot_schedule
+from fsdp_guide.parallel._pipeline_run import train_pipeline
+from fsdp_guide.parallel._ring import ring_attention
+from fsdp_guide.parallel._ring_layout import ring_schedule, shard_sequence
+from fsdp_guide.parallel._ring_steps import plot_ring_steps, record_ring_steps
 from fsdp_guide.parallel._run import reference_losses, token_batch, train_2d
 
 __all__ = [
     "TP_PLAN",
     "Attention",
+    "ExpertParallelMoE",
     "FeedForward",
     "ParallelBlock",
     "ParallelConfig",
     "ParallelTransformer",
+    "Pipeline",
+    "Routing",
+    "build_pipeline",
     "mesh_2d",
     "parallelize",
+    "plot_ring_steps",
+    "plot_schedule",
+    "record_ring_steps",
     "reference_losses",
+    "reference_moe_losses",
+    "ring_attention",
+    "ring_schedule",
+    "shard_sequence",
     "token_batch",
     "train_2d",
+    "train_context_parallel",
+    "train_expert_parallel",
+    "train_pipeline",
 ]

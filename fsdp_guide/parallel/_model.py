@@ -104,6 +104,32 @@ class ParallelBlock(nn.Module):
         return result
 
 
+class TokenEmbedding(nn.Module):
+    """The first layer of a pipelined :class:`ParallelTransformer`: its token and position
+    embeddings (the model's own modules), from token ids to the residual stream."""
+
+    def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb = tok_emb, pos_emb
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        result: Tensor = self.tok_emb(tokens) + self.pos_emb(positions)
+        return result
+
+
+class OutputHead(nn.Module):
+    """The last layer of a pipelined :class:`ParallelTransformer`: its final norm and head."""
+
+    def __init__(self, norm: nn.LayerNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.norm, self.head = norm, head
+
+    def forward(self, x: Tensor) -> Tensor:
+        result: Tensor = self.head(self.norm(x))
+        return result
+
+
 class ParallelTransformer(nn.Module):
     """Token and position embeddings, :class:`ParallelBlock` layers, a norm and a head.
 
@@ -132,6 +158,21 @@ class ParallelTransformer(nn.Module):
         """Token ids and targets of a batch (zeros), what the planner traces the model on."""
         ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
         return ids, ids.clone()
+
+    def pipeline_layers(self) -> nn.Sequential:
+        """The model as the sequence of layers a pipeline cuts into stages: the embeddings,
+        each block, the norm and head; the model's own modules, so training them trains it.
+
+        Examples:
+            >>> layers = ParallelTransformer(ParallelConfig(n_layers=2)).pipeline_layers()
+            >>> [type(layer).__name__ for layer in layers]
+            ['TokenEmbedding', 'ParallelBlock', 'ParallelBlock', 'OutputHead']
+        """
+        return nn.Sequential(
+            TokenEmbedding(self.tok_emb, self.pos_emb),
+            *self.blocks,
+            OutputHead(self.norm, self.head),
+        )
 
     def forward(self, tokens: Tensor) -> Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)

@@ -119,7 +119,7 @@ _threaded_allreduce_hook.__annotations__["bucket"] = dist.GradBucket
 _threaded_allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
-def _count_with_hook(rank: int, world_size: int, hook: str) -> CommStats:
+def _count_with_hook(rank: int, world_size: int, hook: str, all_threads: bool = False) -> CommStats:
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -132,11 +132,13 @@ def _count_with_hook(rank: int, world_size: int, hook: str) -> CommStats:
 
         state = psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
         model.register_comm_hook(state, psgd.powerSGD_hook)
+    before = dist.all_reduce
     for step in range(3):
         batch = shard_batch(synthetic_batch("transformer", 4, step), rank, world_size)
-        with count_collectives() as counter:
+        with count_collectives(all_threads=all_threads) as counter:
             loss_fn(model, batch).backward()  # type: ignore[no-untyped-call]
         model.zero_grad()
+    assert dist.all_reduce is before, "count_collectives left torch.distributed patched"
     return counter.stats
 
 
@@ -158,6 +160,21 @@ def test_collectives_from_other_threads_are_reported_never_silently_short(hook: 
             assert rank_stats.calls + rank_stats.unseen_calls >= 2  # P and Q of one bucket
         if hook == "thread":  # the one bucket's all-reduce ran on the hook's thread
             assert rank_stats.unseen_calls == 1 and rank_stats.calls == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("hook", ["none", "thread", "powersgd"])
+def test_all_threads_counts_what_hook_threads_send(hook: str) -> None:
+    stats = launch(_count_with_hook, 2, args=(hook, True), backend="gloo", timeout=120)
+    for rank_stats in stats:
+        assert rank_stats.complete and rank_stats.unseen_calls == 0, rank_stats.reason
+        if hook in ("none", "thread"):  # one bucket, all-reduced whole on either thread
+            assert rank_stats.elements_by_kind() == {"all_reduce": PSI}
+            assert rank_stats.bytes == 4 * PSI
+        else:  # PowerSGD: P and Q of each matrix, and the vectors whole: far less than Ψ
+            assert rank_stats.calls >= 2
+            assert 0 < rank_stats.elements_by_kind()["all_reduce"] < PSI // 10
 
 
 def _bucket_state(rank: int, world_size: int, view: bool) -> tuple[int, int, int]:

@@ -87,6 +87,19 @@ def test_plot_writes_png(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    "measured",
+    [ModelState(4, 4, 8, buckets=4), ModelState(4, 4, 8, master=4), ModelState(4, 4, 8)],
+)
+def test_a_measured_bar_is_as_tall_as_the_tables_measured_column(measured: ModelState) -> None:
+    row = ComparisonRow(strategy="ddp", rank=0, world_size=2, zero_stage=0, measured=measured,
+                        predicted=ModelState(4, 4, 8))  # fmt: skip
+    ax = plot_comparison([row]).axes[0]
+    stacked = [p for p in ax.patches if p.get_x() < -0.1]  # the measured bar: left of 0
+    assert sum(p.get_height() for p in stacked) == pytest.approx(measured.total / 1e6)
+    assert f"{measured.total} B" in comparison_table([row])
+
+
+@pytest.mark.parametrize(
     ("name", "world_size", "grads"),
     [
         ("sharded_ddp", 4, 1000),

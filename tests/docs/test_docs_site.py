@@ -543,6 +543,21 @@ def test_results_are_mirrored_and_missing_ones_get_a_placeholder(tmp_path: Path)
     assert "/_generated/results/measured.md" in gathered and "pending_one" not in gathered
 
 
+def test_a_results_figure_travels_with_its_table(tmp_path: Path) -> None:
+    # A figure beside a table, linked as the repository shows it, is found on the site too.
+    docs, results, generated = tmp_path / "docs", tmp_path / "results", tmp_path / "generated"
+    docs.mkdir()
+    results.mkdir()
+    (results / "timed.md").write_text("# Timed\n\n| a |\n| --- |\n\n![two ranks](timed.svg)\n")
+    (results / "timed.svg").write_text("<svg/>")
+    _generator().generate_result_pages(results, generated, docs)
+    assert (generated / "results" / "timed.svg").read_text() == "<svg/>"
+    assert (
+        "![two ranks](/_generated/results/timed.svg)"
+        in (generated / "results" / "timed.md").read_text()
+    )
+
+
 def test_api_pages_follow_each_facades_all_without_docs_edits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -588,3 +603,115 @@ def test_only_third_party_names_are_kept_quiet(
     target: str, module: str | None, external: bool
 ) -> None:
     assert _extension("fsdp_refs").is_external_name(target, module) is external
+
+
+# -- lessons' links into docs/ and their "API used" section, on the site's copy -------------
+
+
+GLOSSARY_LINK = re.compile(r"\]\(\.\./docs/guide/glossary\.md#(term-[^)\s]+)\)")
+
+
+def test_every_term_a_lesson_may_link_has_an_entry_the_copy_can_reach() -> None:
+    sys.path.insert(0, str(REPO / "tests" / "lessons"))
+    from test_lesson_shape import TERMS
+
+    terms = _generator().glossary_terms((DOCS / "guide" / "glossary.md").read_text())
+    slugs = {re.sub(r"[^A-Za-z0-9._]+", "-", t).lower(): t for t in TERMS}
+    assert {f"term-{s}": t for s, t in slugs.items()}.items() <= terms.items()
+
+
+@pytest.mark.parametrize(
+    ("lesson", "copy"),
+    [
+        (
+            "Each rank [reduce-scatters](../docs/guide/glossary.md#term-reduce-scatter) its part.",
+            "Each rank {term}`reduce-scatters <reduce-scatter>` its part.",
+        ),
+        (
+            "a [DTensor](../docs/guide/glossary.md#term-DTensor) shard",
+            "a {term}`DTensor <DTensor>` shard",
+        ),
+        ("see [the CLI](../docs/cli.md#compare)", "see [the CLI](../cli.md#compare)"),
+        (
+            "[elsewhere](https://example.org/docs/x.md)",
+            "[elsewhere](https://example.org/docs/x.md)",
+        ),
+    ],
+)
+def test_lesson_links_into_docs_are_rewritten_for_the_sites_copy(lesson: str, copy: str) -> None:
+    generator = _generator()
+    terms = generator.glossary_terms((DOCS / "guide" / "glossary.md").read_text())
+    assert generator.site_links(lesson, terms) == copy
+
+
+def test_a_link_to_a_term_the_glossary_lacks_fails_the_build_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "notebooks").mkdir()
+    glossary = tmp_path / "docs" / "guide" / "glossary.md"
+    glossary.parent.mkdir(parents=True)
+    glossary.write_text("```{glossary}\nrank\n  A process.\n```\n")
+    text = "# T\n[x](../docs/guide/glossary.md#term-shard)"
+    cell = {"cell_type": "markdown", "metadata": {}, "source": text}
+    notebook = json.dumps({"cells": [cell], "metadata": {}})
+    (tmp_path / "notebooks" / "01_t.ipynb").write_text(notebook)
+    with pytest.raises(ValueError, match=r"01_t\.ipynb: .*term-shard.*names no term"):
+        _generator().sync_notebooks(tmp_path / "notebooks", tmp_path / "docs" / "notebooks")
+
+
+def _api_cells(notebook: dict) -> list[str]:
+    texts = ["".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+             for c in notebook["cells"] if c["cell_type"] == "markdown"]  # fmt: skip
+    return [t for t in texts if re.search(r"^## API used", t, re.M)]
+
+
+def test_a_lessons_own_api_section_is_linked_not_doubled() -> None:
+    code = "from fsdp_guide import launch\nfrom fsdp_guide.memory import plan, format_bytes"
+    own = (
+        "## API used\n\n- `fsdp_guide.launch`: ran the function on two ranks.\n"
+        "- `fsdp_guide.memory.plan`, `fsdp_guide.memory.Plan`: planned each rank's bytes.\n"
+    )
+    notebook = {
+        "cells": [
+            {"cell_type": "code", "metadata": {}, "source": code, "outputs": []},
+            {"cell_type": "markdown", "metadata": {}, "source": own},
+        ]
+    }
+    (section,) = _api_cells(_extension("fsdp_links").with_api_section(notebook))
+    assert "{py:obj}`fsdp_guide.launch <fsdp_guide.launcher.launch>`: ran the function" in section
+    assert (
+        "{py:obj}`fsdp_guide.memory.plan`, {py:obj}`fsdp_guide.memory.Plan`: planned each rank's"
+        in section
+    )
+    # Imported but not listed: still linked, in the same section.
+    assert "{py:obj}`fsdp_guide.memory.format_bytes`" in section
+
+
+def test_an_api_bullet_naming_a_name_where_it_does_not_live_fails() -> None:
+    own = "## API used\n\n- `fsdp_guide.memory.count_collectives`: counted the collectives.\n"
+    notebook = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": own}]}
+    with pytest.raises(ValueError, match="count_collectives is not a public name"):
+        _extension("fsdp_links").with_api_section(notebook)
+
+
+def test_a_lesson_without_its_own_api_section_gets_the_generated_one() -> None:
+    code = "from fsdp_guide.wrap import shard"
+    notebook = {"cells": [{"cell_type": "code", "metadata": {}, "source": code, "outputs": []}]}
+    (section,) = _api_cells(_extension("fsdp_links").with_api_section(notebook))
+    assert section.startswith("## API used in this lesson") and "fsdp_guide.wrap.shard" in section
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")))
+def test_each_lesson_page_has_one_api_section(site: Path, name: str) -> None:
+    text = (site / "notebooks" / f"{name}.html").read_text(encoding="utf-8")
+    headings = re.findall(r"<h2>API used[^<]*<", text)
+    assert len(headings) == 1, headings
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")))
+def test_glossary_links_of_a_lesson_land_on_the_entry(site: Path, name: str) -> None:
+    notebook = (NOTEBOOKS / f"{name}.ipynb").read_text(encoding="utf-8")
+    linked = {a.lower() for a in GLOSSARY_LINK.findall(notebook)}
+    lesson = (site / "notebooks" / f"{name}.html").read_text(encoding="utf-8")
+    hrefs = set(re.findall(r'href="\.\./guide/glossary\.html#(term-[^"]+)"', lesson))
+    ids = set(re.findall(r'id="(term-[^"]+)"', (site / "guide" / "glossary.html").read_text()))
+    assert hrefs <= ids
+    assert linked <= {h.lower() for h in hrefs}

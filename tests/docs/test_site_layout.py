@@ -21,7 +21,28 @@ pytestmark = [
 ]
 
 LESSON_04 = "notebooks/04_fully_sharded_data_parallel.html"
-PAGES = [*site_layout.KEY_PAGES, "api/fsdp_guide.launcher.magic.html"]
+# Lessons 01 to 05 in the lesson shape: their figures and key tables, at both widths.
+LESSONS_01_05 = [
+    "notebooks/01_launching_multi_process_cells.html",
+    "notebooks/02_optimizer_state_sharding.html",
+    "notebooks/03_sharded_ddp.html",
+    "notebooks/05_wrapping_policies.html",
+]
+COMPARISON = "strategy | ZeRO | rank | params | grads | optimizer | measured | predicted"
+# Lessons 06-10, each with the header of its measured-next-to-predicted table (09 is a key page).
+LESSON_TABLES = {
+    "notebooks/06_activation_checkpointing.html": "run | rank | ckpt | activations | planned",
+    "notebooks/07_lightning_strategies.html": "strategy | rank | params | grads | buckets",
+    "notebooks/08_ddp_optimizations.html": "setting | rank | sent / step | predicted",
+    "notebooks/09_deepspeed_zero.html": "run | params | master | grads | buckets | Adam",
+    "notebooks/10_lightning_fsdp_strategies.html": "sharding | ranks | rank | params in flight",
+}
+PAGES = [
+    *site_layout.KEY_PAGES,
+    "api/fsdp_guide.launcher.magic.html",
+    *LESSONS_01_05,
+    *(page for page in LESSON_TABLES if page not in site_layout.KEY_PAGES),
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +59,10 @@ def test_no_output_scrolls_sideways_at_1280(layouts: dict, name: str) -> None:
 @pytest.mark.parametrize(
     ("name", "header"),
     [
-        (LESSON_04, "strategy | ZeRO | rank | params | grads | optimizer | measured | predicted"),
+        *((page, COMPARISON) for page in [*LESSONS_01_05[1:], LESSON_04]),
+        (LESSONS_01_05[0], "rank | parameter bytes"),
         ("guide/will_it_fit.html", "model |"),  # the table with the recommended column
+        *LESSON_TABLES.items(),
     ],
 )
 def test_named_tables_fit_at_1280(layouts: dict, name: str, header: str) -> None:

@@ -335,3 +335,100 @@ def exercise_uses(exercise: Exercise) -> set[str]:
     for code in (exercise.solution, exercise.check):
         uses |= analyse(ast.parse(python_source(code))).uses
     return uses
+
+
+# -- answers given away: the value a solution gives, already printed above its exercise ----
+
+#: Words too common to tie an output line to an exercise's prompt.
+COMMON_WORDS = frozenset(
+    re.findall(
+        r"\w+",
+        "about above after again answer bytes check each every from have here many much once "
+        "rank ranks that their them then there these this what when which with would your",
+    )
+)
+MIN_SHARED_WORDS = 3
+
+
+def _words(text: str) -> set[str]:
+    return {w for w in re.findall(r"[a-z][a-z_-]{3,}", text.lower()) if w not in COMMON_WORDS}
+
+
+def _forms(value: object) -> tuple[list[str], bool]:
+    """The ways an output may print ``value``, and whether they are distinctive on their own.
+
+    A number of four digits or more (or a decimal with three significant digits), or a string
+    of eight characters or more that is not a plain word, is unlikely to be printed by chance;
+    a smaller value is a give-away only on an output line that shares words with the
+    exercise's prompt.
+
+    Examples:
+        >>> _forms(568352)
+        (['568352', '568,352'], True)
+        >>> _forms(3)
+        (['3'], False)
+    """
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int):
+        forms = list(dict.fromkeys([str(value), f"{value:,}"]))
+        return forms, abs(value) >= 1000
+    if isinstance(value, float):
+        forms = list(dict.fromkeys([repr(value), *(f"{value:.{d}f}" for d in (2, 3, 4))]))
+        forms = [f for f in forms if f.strip("-0.")]
+        distinctive = len(re.sub(r"\D", "", f"{value:.3g}").lstrip("0")) >= 3
+        return forms, distinctive
+    text = str(value)
+    return [text], len(text) >= 8 and not text.isalpha()  # "blocks.3", not a plain word
+
+
+def given_away(value: object, outputs: str, prompt: str) -> list[str]:
+    """The lines of ``outputs`` that print ``value`` (a number or a short string) as the
+    answer to the exercise whose prompt (statement and stub) is ``prompt``.
+
+    Examples:
+        >>> out = "rank 0: holds 568,352 bytes of parameters\\n  most units holding full params: 3"
+        >>> given_away(568352, out, "How many bytes of parameters?")
+        ['rank 0: holds 568,352 bytes of parameters']
+        >>> given_away(3, out, "How many blocks are there?")
+        []
+        >>> given_away(3, out, "most units holding full parameters at once in backward")
+        ['most units holding full params: 3']
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return []
+    forms, distinctive = _forms(value)
+    patterns = [
+        re.compile(rf"(?<![\w.,]){re.escape(f)}(?![\w]|[.,]\d)")
+        if not isinstance(value, str)
+        else re.compile(rf"(?<!\w){re.escape(f)}(?!\w)")
+        for f in forms
+    ]
+    asked = _words(prompt)
+    found = []
+    for line in outputs.splitlines():
+        if any(p.search(line) for p in patterns) and (
+            distinctive or len(_words(line) & asked) >= MIN_SHARED_WORDS
+        ):
+            found.append(line.strip())
+    return found
+
+
+def outputs_above(cells: list[dict[str, Any]], index: int) -> str:
+    """Every text output of the code cells before ``cells[index]``."""
+    parts = []
+    for cell in cells[:index]:
+        for output in cell.get("outputs", []):
+            if "text" in output:
+                parts.append("".join(output["text"]))
+            for kind, data in output.get("data", {}).items():
+                if kind.startswith("text/"):
+                    parts.append("".join(data) if isinstance(data, list) else str(data))
+    return "\n".join(parts)
+
+
+def prompt_of(cells: list[dict[str, Any]], exercise: Exercise) -> str:
+    """The exercise's statement (the markdown cell before its stub) and its stub."""
+    before = cells[exercise.stub_index - 1] if exercise.stub_index else None
+    statement = source(before) if before and before["cell_type"] == "markdown" else ""
+    return f"{statement}\n{exercise.stub}"

@@ -249,6 +249,8 @@ class Job:
     args: tuple[str, ...] = ()
     nnodes: int = 2
     nproc: int = 2
+    max_restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict, hash=False)
 
 
 def run_together(
@@ -274,7 +276,7 @@ def run_together(
             running = {
                 i: stack.enter_context(
                     Nodes(job.script, job.args, nnodes=job.nnodes, nproc=job.nproc,
-                          port=find_free_port())
+                          port=find_free_port(), max_restarts=job.max_restarts, env=job.env)
                 )
                 for i, job in enumerate(jobs)
                 if i not in finished

@@ -15,6 +15,7 @@ what the ranks returned in the first).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import textwrap
@@ -29,7 +30,10 @@ from notebook_exercises import (
     ExerciseFormatError,
     exercise_uses,
     exercises,
+    given_away,
     needed_cells,
+    outputs_above,
+    prompt_of,
     source,
 )
 
@@ -51,6 +55,19 @@ REPLAY_LAUNCHES = textwrap.dedent(
             if key not in _launched:
                 _launched[key] = _launch_ranks(fn, *args, **kwargs)
             return _launched[key]
+
+
+    def _report_answers(number, names):
+        # What a solution gave its names, when it is a number or a short string.
+        import json
+
+        shown = {}
+        for name in names:
+            value = globals().get(name)
+            if isinstance(value, int | float | str) and not isinstance(value, bool):
+                if not isinstance(value, str) or len(value) <= 40:
+                    shown[name] = value
+        print(f"ANSWERS {number} " + json.dumps(shown))
     """
 )
 
@@ -150,7 +167,8 @@ def _solved_notebook(notebook: str) -> tuple[nbformat.NotebookNode, list[int]]:
         cell.outputs = []
     cells.append(nbformat.v4.new_code_cell(REPLAY_LAUNCHES))
     for exercise in found:
-        cells.append(nbformat.v4.new_code_cell(exercise.solution))
+        report = f"\n_report_answers({exercise.number}, {list(exercise.names)!r})\n"
+        cells.append(nbformat.v4.new_code_cell(exercise.solution + report))
         cells.append(nbformat.v4.new_code_cell(exercise.check))
     cells.append(nbformat.v4.new_code_cell(WRONG_ANSWER))
     for exercise in found:
@@ -176,15 +194,22 @@ def _printed(cell: nbformat.NotebookNode) -> str:
     return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
 
 
+@functools.cache
+def _executed(notebook: str) -> nbformat.NotebookNode:
+    """The solved slice of the lesson, run once in a kernel (both tests below read it)."""
+    solved, _ = _solved_notebook(notebook)
+    NotebookClient(
+        solved, timeout=300, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}}
+    ).execute()
+    return solved
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("notebook", LESSONS)
 def test_solutions_pass_their_checks_and_wrong_answers_fail(notebook: str) -> None:
     found = _exercises(notebook)
-    solved, _ = _solved_notebook(notebook)
-    NotebookClient(
-        solved, timeout=300, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}}
-    ).execute()
+    solved = _executed(notebook)
     checks = solved.cells[-(3 * len(found) + 1) : -(len(found) + 1)][1::2]
     probes = solved.cells[-len(found) :]
     for exercise, check, probe in zip(found, checks, probes, strict=True):
@@ -199,8 +224,61 @@ def test_solutions_pass_their_checks_and_wrong_answers_fail(notebook: str) -> No
         ), f"{notebook}, exercise {exercise.number}: {_printed(probe)!r}"
 
 
+def _answers(solution: nbformat.NotebookNode, number: int) -> dict[str, Any]:
+    """What the solution of exercise ``number`` gave its names (numbers, short strings)."""
+    found = re.search(rf"^ANSWERS {number} (.*)$", _printed(solution), re.M)
+    assert found, f"exercise {number}: its solution reported no answers"
+    return dict(json.loads(found[1]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("notebook", LESSONS)
+def test_no_answer_is_printed_above_its_exercise(notebook: str) -> None:
+    """A learner who reads an outputs above the exercise must not find the answer there."""
+    found = _exercises(notebook)
+    cells = _cells(notebook)
+    solutions = _executed(notebook).cells[-(3 * len(found) + 1) : -(len(found) + 1)][0::2]
+    given = []
+    for exercise, solution in zip(found, solutions, strict=True):
+        shown = outputs_above(cells, exercise.stub_index)
+        for name, value in _answers(solution, exercise.number).items():
+            for line in given_away(value, shown, prompt_of(cells, exercise)):
+                given.append(f"exercise {exercise.number}: {name} = {value!r} is printed: {line!r}")
+    assert given == []
+
+
 def _cell(kind: str, text: str, tags: tuple[str, ...] = ()) -> dict[str, Any]:
     return {"cell_type": kind, "source": text, "metadata": {"tags": list(tags)}, "outputs": []}
+
+
+def _printing(text: str) -> dict[str, Any]:
+    cell = _cell("code", "print(...)")
+    cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": text}]
+    return cell
+
+
+@pytest.mark.parametrize(
+    ("printed", "statement", "value", "flagged"),
+    [
+        # What readers found: lesson 01's exercise 3 and lesson 04's exercise 3.
+        ("rank 0: holds 568,352 bytes of parameters\n", "How many bytes of parameters?", 568352,
+         True),
+        ("backward: ...\n  most units holding full parameters at once: 3\n",
+         "How many units held their full parameters at the same time at the peak of backward?",
+         3, True),
+        # A small number printed for something else is no give-away; neither is a larger one
+        # inside another number.
+        ("epoch 3: loss 2.29\n", "How many units held their full parameters at once?", 3, False),
+        ("1,568,352 bytes\n", "How many bytes?", 568352, False),
+        ("imbalance 1.0101\n", "What is the imbalance?", 1.0101, True),
+        ("phase: backward\n", "Which phase holds the peak?", "backward", False),
+    ],
+)  # fmt: skip
+def test_the_give_away_check(printed: str, statement: str, value: object, flagged: bool) -> None:
+    cells = [_printing(printed), _cell("markdown", statement), _cell("code", "a = None")]
+    exercise = Exercise(1, 2, 3, "a = None", "", "", ("a",))
+    assert bool(given_away(value, outputs_above(cells, 2), prompt_of(cells, exercise))) is flagged
 
 
 def test_the_slice_keeps_what_the_exercises_read_and_skips_the_rest() -> None:

@@ -9,6 +9,7 @@ the glossary at first use, the names of the API where they really live, and no l
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import re
@@ -227,8 +228,9 @@ def _glossary_link_spans(markdown: str) -> list[tuple[int, int]]:
 
 def unlinked_terms(cells: list[dict[str, Any]]) -> list[str]:
     """Glossary terms whose first use in the lesson's prose is not a link to the glossary."""
+    # A figure's alt text names what it draws, and cannot hold a link: it is not a use.
     prose = "\n\n".join(
-        re.sub(r"```.*?```", " ", _source(c), flags=re.DOTALL)
+        IMAGE.sub(" ", re.sub(r"```.*?```", " ", _source(c), flags=re.DOTALL))
         for c in cells
         if c["cell_type"] == "markdown"
     )
@@ -271,7 +273,9 @@ def misplaced_names(cells: list[dict[str, Any]]) -> list[str]:
         for dotted in set(re.findall(r"\bfsdp_guide(?:\.\w+)+", text)):
             if not _resolves(dotted):
                 problems.append(f"markdown cell {index}: {dotted} does not exist")
-        pairs = re.findall(r"`(\w+)(?:\([^`]*\))?`\s*\(?(?:from|in|of)\s+`(fsdp_guide(?:\.\w+)*)`", text)
+        pairs = re.findall(
+            r"`(\w+)(?:\([^`]*\))?`\s*\(?(?:from|in|of)\s+`(fsdp_guide(?:\.\w+)*)`", text
+        )
         for name, module in pairs:
             if not _resolves(f"{module}.{name}"):
                 problems.append(f"markdown cell {index}: {name} is not in {module}")
@@ -290,6 +294,57 @@ def lab_log(cells: list[dict[str, Any]]) -> list[str]:
             if output.get("name") == "stderr" and WARNING_IN_OUTPUT.search("".join(output["text"])):
                 found.append(f"cell {index}: a library warning in the stored output")
     return found
+
+
+def _fallback_prints(source: str) -> list[str]:
+    """What a cell prints where CUDA is missing: the strings printed in the ``else`` of its
+    ``if torch.cuda.is_available():``."""
+    try:
+        tree = ast.parse(
+            "\n".join(line for line in source.splitlines() if not line.startswith("%"))
+        )
+    except SyntaxError:
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "cuda.is_available" in ast.unparse(node.test):
+            for inner in (n for branch in node.orelse for n in ast.walk(branch)):
+                if isinstance(inner, ast.Constant) and isinstance(inner.value, str):
+                    found.append(inner.value.strip())
+    return [text for text in found if text]
+
+
+def gpu_output_cells(cells: list[dict[str, Any]]) -> list[int]:
+    """Code cells whose stored output came from a run with CUDA: they branch on
+    ``torch.cuda.is_available()`` and printed something else than their CPU fallback."""
+    found = []
+    for index, cell in enumerate(cells):
+        source = _source(cell)
+        if cell["cell_type"] != "code" or "cuda.is_available()" not in source:
+            continue
+        printed = _outputs_text(cell).strip()
+        if printed and not any(text[:40] in printed for text in _fallback_prints(source)):
+            found.append(index)
+    return found
+
+
+GPU_LABEL = re.compile(r"\bGPU\b.*\btorch \d+\.\d+|\btorch \d+\.\d+.*\bGPU\b", re.DOTALL)
+
+
+def gpu_label_problems(cells: list[dict[str, Any]]) -> list[str]:
+    """GPU outputs without a label above them (GPU, torch version), and prose that says such
+    cells did not run."""
+    problems = []
+    gpu = gpu_output_cells(cells)
+    for index in gpu:
+        above = next((c for c in reversed(cells[:index]) if c["cell_type"] == "markdown"), None)
+        if above is None or not GPU_LABEL.search(_visible(_source(above))):
+            problems.append(f"cell {index}: a GPU run's output with no label (GPU, torch version)")
+    if gpu:
+        for index, cell in enumerate(cells):
+            if cell["cell_type"] == "markdown" and re.search(r"\bdid not run\b", _source(cell)):
+                problems.append(f"cell {index}: says a cell did not run above a GPU run's output")
+    return problems
 
 
 def remember_bullets(cells: list[dict[str, Any]]) -> int:
@@ -337,6 +392,11 @@ def test_no_lab_log(notebook: str) -> None:
     assert lab_log(_cells(notebook)) == []
 
 
+@pytest.mark.parametrize("notebook", LESSONS)
+def test_gpu_outputs_are_labelled(notebook: str) -> None:
+    assert gpu_label_problems(_cells(notebook)) == []
+
+
 def test_the_glossary_defines_every_linked_term() -> None:
     glossary = (REPO / "docs" / "guide" / "glossary.md").read_text()
     entries = {line.strip().lower() for line in glossary.splitlines() if re.match(r"\S", line)}
@@ -371,6 +431,13 @@ def test_the_number_check_finds_what_readers_tripped_on(
         ("Each rank runs a [reduce-scatter](../docs/guide/glossary.md#term-reduce-scatter).", 0),
         ("Each rank runs a reduce-scatter, then a [reduce-scatter](glossary.md).", 1),
         ("`reduce_scatter_tensor` is an API name, not prose.", 0),
+        (
+            "![Four ranks: an all-reduce and a reduce-scatter](figures/x.svg) Then a "
+            "[reduce-scatter](../docs/guide/glossary.md#term-reduce-scatter) and an all-reduce.",
+            1,
+        ),
+        ("![Each rank's reduce-scatter, drawn](figures/x.svg) A [reduce-scatter](glossary.md).", 0),
+        ("![A figure](figures/x.svg) then a reduce-scatter, unlinked.", 1),
     ],
 )
 def test_the_glossary_check(prose: str, problems: int) -> None:
@@ -404,3 +471,28 @@ def test_the_name_check(prose: str, flagged: bool) -> None:
 )
 def test_the_lab_log_check(text: str) -> None:
     assert lab_log([{"cell_type": "markdown", "source": text, "metadata": {}}])
+
+
+GPU_CELL = (
+    "if torch.cuda.is_available():\n    print(run_on_gpu())\n"
+    "else:\n    print('no CUDA here: this cell needs a GPU')"
+)
+
+
+@pytest.mark.parametrize(
+    ("label", "printed", "flagged"),
+    [
+        # What readers found in lessons 04, 05 and 09: "did not run" above an H100's output.
+        ("The outputs come from a CPU-only machine, where it did not run.", "(root): 69,888", 2),
+        ("Its output is from an NVIDIA H100 (torch 2.11.0, CUDA 13.0).", "(root): 69,888", 1),
+        ("**GPU output:** one NVIDIA H100 80GB HBM3 (torch 2.11.0 with CUDA 13.0).",
+         "(root): 69,888", 0),
+        ("It needs CUDA.", "no CUDA here: this cell needs a GPU", 0),  # a CPU run's fallback
+    ],
+)  # fmt: skip
+def test_the_gpu_label_check(label: str, printed: str, flagged: int) -> None:
+    cells = [
+        {"cell_type": "markdown", "source": label, "metadata": {}},
+        {"cell_type": "code", "source": GPU_CELL, "metadata": {}, "outputs": [{"text": printed}]},
+    ]
+    assert len(gpu_label_problems(cells)) == flagged

@@ -146,6 +146,8 @@ def _stand_ins(recorder: Recorder) -> dict[str, Any]:
         "wrapping": lambda **kwargs: contextlib.nullcontext(),
         "initialize": initialize,
         "check_optimizer": lambda *args, **kwargs: None,
+        # fsdp_guide.timeline.record_units: runs the step it is given
+        "record_units": lambda model, forward, backward: backward(forward()),
         "loss_fn": loss_fn,
     }
 
@@ -170,14 +172,13 @@ CASES: list[tuple[str, str, tuple[Any, ...]]] = [
     ("03_sharded_ddp.ipynb", "train", ("ddp",)),
     ("03_sharded_ddp.ipynb", "train", ("oss",)),
     ("03_sharded_ddp.ipynb", "train", ("sdp",)),
-    ("03_sharded_ddp.ipynb", "train_clipped", ("ddp",)),
-    ("03_sharded_ddp.ipynb", "train_clipped", ("sdp",)),
-    ("03_sharded_ddp.ipynb", "freeze_embeddings", (False,)),
+    ("03_sharded_ddp.ipynb", "train_with", ()),
+    ("03_sharded_ddp.ipynb", "ddp_norms", ()),
     ("04_fully_sharded_data_parallel.ipynb", "train", ("fsdp1", 2, {})),
     ("04_fully_sharded_data_parallel.ipynb", "train", ("fsdp2", 2, {})),
     ("04_fully_sharded_data_parallel.ipynb", "train_fairscale", (2,)),
     ("04_fully_sharded_data_parallel.ipynb", "optimizer_too_early", ()),
-    ("04_fully_sharded_data_parallel.ipynb", "record_step", ()),
+    ("04_fully_sharded_data_parallel.ipynb", "record_one_step", ()),
     ("05_wrapping_policies.ipynb", "train_policies", ({"blocks": None},)),
     ("05_wrapping_policies.ipynb", "wrap_fsdp2", (None,)),
     ("05_wrapping_policies.ipynb", "train_manual", ("fsdp1",)),
@@ -285,11 +286,17 @@ NO_TRAINING = {
     ("03_sharded_ddp.ipynb", "freeze_both_ways"),
     ("04_fully_sharded_data_parallel.ipynb", "fsdp2_layout"),
     ("04_fully_sharded_data_parallel.ipynb", "wrap_odd_model"),
-    # exercise checks: what they launch is measured, not trained
-    ("04_fully_sharded_data_parallel.ipynb", "collectives_per_step"),
+    # exercise checks: what they launch is measured, not trained (or defined inside the
+    # check, where they run only once the exercise is attempted)
+    ("01_launching_multi_process_cells.ipynb", "real_collectives"),
+    ("02_optimizer_state_sharding.ipynb", "sgd_momentum_bytes"),
+    ("04_fully_sharded_data_parallel.ipynb", "record_without_reshard"),
+    ("04_fully_sharded_data_parallel.ipynb", "gathered"),
     ("07_lightning_strategies.ipynb", "oss_state_bytes"),
+    ("07_lightning_strategies.ipynb", "oss_layout"),
     ("05_wrapping_policies.ipynb", "wrap_fairscale"),
     ("08_ddp_optimizations.ipynb", "without_the_flag"),
+    ("08_ddp_optimizations.ipynb", "_check_accumulate"),  # trains the reader's accumulate
     # Lightning places model and batches itself: these build a Trainer from PLAN (below).
     ("10_lightning_fsdp_strategies.ipynb", "fit"),
     ("10_lightning_fsdp_strategies.ipynb", "fails"),
@@ -314,6 +321,14 @@ NO_TRAINING = {
     # and hangs a collective on purpose.
     ("15_fsdp2_in_practice.ipynb", "tied_all"),
     ("15_fsdp2_in_practice.ipynb", "skip_collective"),
+    # package functions (fsdp_guide.parallel), device=None meaning rank_device(), tested on 2
+    # and 4 ranks in tests/parallel; and checks that train nothing (attention on random
+    # tensors, a router's routing)
+    ("17_context_and_expert_parallelism.ipynb", "train_context_parallel"),
+    ("17_context_and_expert_parallelism.ipynb", "train_expert_parallel"),
+    ("17_context_and_expert_parallelism.ipynb", "ring_check"),
+    ("17_context_and_expert_parallelism.ipynb", "ring_timeline"),
+    ("17_context_and_expert_parallelism.ipynb", "route"),
 }
 
 
