@@ -143,6 +143,8 @@ def test_mixed_precision_bytes_per_kind(runs: list[dict[str, Any]], reduce_fp32:
         ({"trainable": "head.*"}, "list of parameter-name patterns"),
         ({"trainable": ["head.*"], "strategy": "fsdp"}, "planned for ddp and fsdp2"),
         ({"settings": {"reduce_dtype": "bf16"}}, "reduce_dtype must be None or 'fp32'"),
+        ({"grad_accumulation": 2, "context_parallel": 2}, "grad_accumulation > 1 with pipe"),
+        ({"trainable": ["head.*"], "context_parallel": 2}, "frozen parameters with pipeline"),
     ],
 )
 def test_bad_values_are_refused_before_anything_is_traced(
