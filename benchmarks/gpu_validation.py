@@ -26,7 +26,7 @@ import json
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -84,6 +84,35 @@ def run_tests(paths: list[str], seconds: float, log: Path | None = None) -> Resu
         status="passed" if ok else "failed",
         seconds=time.monotonic() - start,
         summary=lines[-1] if lines else "",
+        tail="\n".join(lines[-40:]) if not ok else "",
+    )
+
+
+def run_command(name: str, command: str, seconds: float, log: Path) -> Result:
+    """A further shell command of the run (a benchmark, a lesson set with other settings),
+    stopped after ``seconds``; its whole output goes to ``log``."""
+    if seconds <= 0:
+        return Result(name, command, "not run", 0.0, "no time left")
+    start = time.monotonic()
+    try:
+        done = subprocess.run(
+            command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=seconds
+        )
+        output, ok = done.stdout + done.stderr, done.returncode == 0
+        if not ok:
+            output += f"\nexit code {done.returncode}"
+    except subprocess.TimeoutExpired as stopped:
+        partial = stopped.stdout or b""
+        text = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+        output, ok = f"{text}\ntimed out after {seconds:.0f} s", False
+    log.write_text(str(output))
+    lines = [line for line in str(output).splitlines() if line.strip()]
+    return Result(
+        name=name,
+        command=command,
+        status="passed" if ok else "failed",
+        seconds=time.monotonic() - start,
+        summary=lines[-1][:200] if lines else "",
         tail="\n".join(lines[-40:]) if not ok else "",
     )
 
@@ -173,15 +202,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=3, help="notebooks at a time")
     parser.add_argument("--cell-timeout", type=float, default=300.0)
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for everything")
+    parser.add_argument(
+        "--command",
+        action="append",
+        default=[],
+        metavar="NAME=SHELL",
+        help="a further command, run beside the tests and the lessons (one GPU, many cores)",
+    )
+    parser.add_argument(
+        "--concurrent", action="store_true", help="run the tests beside the lessons, not first"
+    )
     args = parser.parse_args(argv)
+    for spec in args.command:
+        if "=" not in spec:
+            parser.error(f"--command {spec!r}: write it NAME=SHELL")
     deadline = time.time() + args.budget
     cuda, where = device()
     print(f"Device: {where}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
+    side = ThreadPoolExecutor(max(1, len(args.command) + 1))
+    beside = [
+        side.submit(run_command, n, c, deadline - time.time(), args.out / f"{n}.log")
+        for n, c in (spec.split("=", 1) for spec in args.command)
+    ]
     if not args.no_tests:
-        results.append(run_tests(args.tests, deadline - time.time(), args.out / "pytest.log"))
-        print(f"pytest -m gpu: {results[-1].status}, {results[-1].summary}", flush=True)
+        if args.concurrent:
+            tests = side.submit(
+                run_tests, args.tests, deadline - time.time(), args.out / "pytest.log"
+            )
+            beside.insert(0, tests)
+        else:
+            results.append(run_tests(args.tests, deadline - time.time(), args.out / "pytest.log"))
+            print(f"pytest -m gpu: {results[-1].status}, {results[-1].summary}", flush=True)
     if not args.no_notebooks:
         paths = [str(p) for p in notebook_paths(args.notebook)]
         context = get_context("spawn")  # a kernel per notebook; nothing CUDA is inherited
@@ -193,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             for run in runs:
                 results.append(run.result())
                 print(f"{results[-1].name}: {results[-1].status}", flush=True)
+    for future in beside:
+        results.append(future.result())
+        print(f"{results[-1].name}: {results[-1].status}, {results[-1].summary}", flush=True)
+    side.shutdown()
     (args.out / "gpu_validation.md").write_text(report(where, results))
     (args.out / "gpu_validation.json").write_text(
         json.dumps({"device": where, "results": [vars(r) for r in results]}, indent=1)

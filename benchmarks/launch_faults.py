@@ -138,7 +138,7 @@ def unguarded_script() -> str:
     directory = Path(tempfile.mkdtemp())
     script = directory / "train.py"
     script.write_text(
-        "from fsdp_guide import launch\nfrom fsdp_guide.examples import rank_and_sum\n\n"
+        "from fsdp_guide import launch\nfrom fsdp_guide._examples import rank_and_sum\n\n"
         "print(launch(rank_and_sum, 2, backend='gloo'))\n"
     )
     t0 = time.monotonic()

@@ -11,14 +11,9 @@ from typing import Any
 
 __all__ = [
     "CheckpointError",
-    "CollectiveCallError",
-    "CollectiveMismatchError",
-    "CommandError",
     "EngineUnavailableError",
     "LaunchError",
     "LaunchTimeout",
-    "MetaInitError",
-    "MissingRequirementError",
     "OptimizerMismatchError",
     "PlanError",
     "RankError",

@@ -4,8 +4,8 @@
 (``"LlamaForSequenceClassification"``) and config overrides into a function that builds the
 model from its config class, so the planner can call it on the meta device: a 70B-parameter
 Llama is built in seconds and allocates nothing. It is what ``estimate --hf`` does.
-:func:`label_kind` says what a model's ``labels`` are, from the task tables of
-``transformers``' auto classes. ``transformers`` (the ``transformers`` extra) is imported
+What a model's ``labels`` are comes from the task tables of ``transformers``' auto
+classes. ``transformers`` (the ``transformers`` extra) is imported
 when these are called, never by ``import fsdp_guide``.
 """
 
@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp_guide.errors import MissingRequirementError, PlanError
 
-__all__ = ["hf_builder", "label_kind"]
+__all__ = ["hf_builder"]
 
 _INSTALL = 'pip install -c requirements/constraints.txt -e ".[transformers]"'
 # transformers' task tables, in the order a model type is given its head: the task a bare
@@ -116,7 +116,7 @@ def hf_builder(name: str, overrides: Mapping[str, Any] | None = None) -> Callabl
         (:func:`fsdp_guide.memory.plan` does).
 
     Raises:
-        MissingRequirementError: Without the ``transformers`` extra.
+        ValueError: ``MissingRequirementError``: Without the ``transformers`` extra.
         PlanError: For an unknown model type or class, or a field its config does not have.
 
     Examples:

@@ -19,14 +19,10 @@ from torch import Tensor, nn
 
 __all__ = [
     "MLP",
-    "MODEL_NAMES",
-    "Batch",
     "Block",
-    "ModelName",
     "TinyTransformer",
     "TransformerConfig",
     "build_model",
-    "check_model_name",
     "count_params",
     "loss_fn",
     "shard_batch",

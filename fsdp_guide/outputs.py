@@ -1,6 +1,6 @@
 """From a model's inputs to its training loss, whatever the model returns.
 
-:func:`call_model` passes a batch's inputs the way they are given: a tensor as the one
+A batch's inputs are passed the way they are given: a tensor as the one
 argument, a tuple or list as positional arguments, a dict as keyword arguments (``T5``'s
 ``forward(input_ids=..., decoder_input_ids=...)``). :func:`model_loss` turns the output into
 the scalar a training step calls ``backward()`` on:
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from fsdp_guide.errors import PlanError
 
-__all__ = ["call_model", "model_loss", "output_loss"]
+__all__ = ["model_loss"]
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
@@ -112,7 +112,7 @@ def output_loss(output: Any, targets: Tensor | None = None) -> Tensor:
 
 
 def model_loss(model: nn.Module, batch: tuple[Any, Tensor | None]) -> Tensor:
-    """The loss of ``model`` on ``batch = (inputs, targets)``: called, then :func:`output_loss`.
+    """The loss of ``model`` on ``batch = (inputs, targets)``: the model called, then its loss.
 
     Examples:
         >>> model = nn.Linear(4, 3)

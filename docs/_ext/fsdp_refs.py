@@ -83,11 +83,14 @@ def resolve_through_python(app: Any, env: Any, node: Any, contnode: Any) -> Any:
     return None
 
 
-def is_external_name(target: str, module: str | None) -> bool:
-    """Whether an unqualified reference names something outside ``fsdp_guide``.
+def is_external_name(target: str, module: str | None, cls: str | None = None) -> bool:
+    """Whether an unqualified reference names something outside ``fsdp_guide``, or private.
 
     True for a top-level module (``linecache``), a builtin (``Ellipsis``), or a name that
     the current module imported from another project (``Tensor`` in ``fsdp_guide.models``).
+    A class documented on its façade's page (``cls`` there) has its signature's names looked
+    up where it is defined too: ``Precision`` in ``DDPShardedStrategy``'s is Lightning's, and
+    a name only a private module defines (``StartMethod``) is private, so plain text.
     A name found nowhere stays a broken reference: it is probably ours, misspelled.
     """
     if target.split(".")[0] == PACKAGE:
@@ -101,7 +104,14 @@ def is_external_name(target: str, module: str | None) -> bool:
         pass
     if module and module.startswith(PACKAGE):
         origin = getattr(_lookup(f"{module}.{target}"), "__module__", None)
-        return isinstance(origin, str) and not origin.startswith(PACKAGE)
+        if isinstance(origin, str) and not origin.startswith(PACKAGE):
+            return True
+        defined_in = getattr(_lookup(f"{module}.{cls}"), "__module__", None) if cls else None
+        if isinstance(defined_in, str) and defined_in != module:
+            found = _lookup(f"{defined_in}.{target}")
+            origin = getattr(found, "__module__", None) or defined_in
+            private = any(part.startswith("_") for part in str(origin).split(".")[1:])
+            return found is not None and (not str(origin).startswith(PACKAGE) or private)
     return False
 
 
@@ -113,7 +123,9 @@ def quiet_external_reference(app: Any, domain: Any, node: Any) -> bool | None:
     """
     if domain is None or domain.name != "py":
         return None
-    if is_external_name(node["reftarget"].lstrip("~."), node.get("py:module")):
+    if is_external_name(
+        node["reftarget"].lstrip("~."), node.get("py:module"), node.get("py:class")
+    ):
         return True
     return None
 

@@ -3,7 +3,7 @@
 Each strategy has one name, used by ``python -m fsdp_guide compare --strategies``,
 :func:`fsdp_guide.compare.run_comparison`, the planner (:func:`fsdp_guide.memory.plan`) and
 the ZeRO formulas (:func:`fsdp_guide.memory.estimate_model_state` takes any strategy name as
-its stage). Its :class:`StrategySpec` is a record: which engine runs it and with which
+its stage). Each row is a record (a ``StrategySpec``): which engine runs it and with which
 settings, which ZeRO stage it is, what it needs (CUDA, FairScale, DeepSpeed). What the engine
 does with those settings (how it wraps a model, what each rank holds, what it sends) is the
 engine's adapter's to say (:func:`fsdp_guide.engines.engine_for`). Adding a strategy to an
@@ -33,8 +33,7 @@ name                        stage engine         what it is
 ``deepspeed_zero3_offload`` 3     deepspeed      DeepSpeed ZeRO-3, optimizer and parameters on CPU
 =========================== ===== ============== =================================================
 
-Stages are accepted everywhere as ``0``-``3``, ``"zero0"``-``"zero3"`` or any name above
-(:func:`resolve_stage`).
+Stages are accepted everywhere as ``0``-``3``, ``"zero0"``-``"zero3"`` or any name above.
 
 Examples:
     >>> from fsdp_guide.catalog import get_strategy
@@ -45,32 +44,18 @@ Examples:
 
 from __future__ import annotations
 
-from fsdp_guide.catalog._lookup import (
-    check_strategies,
-    cpu_strategies,
-    extra_installed,
-    get_strategy,
-    install_command,
-    resolve_stage,
-)
-from fsdp_guide.catalog._table import (
-    DEFAULT_STRATEGIES,
-    STRATEGIES,
-    EngineName,
-    Requirement,
-    StrategySpec,
-)
+from fsdp_guide.catalog._lookup import check_strategies as check_strategies
+from fsdp_guide.catalog._lookup import cpu_strategies as cpu_strategies
+from fsdp_guide.catalog._lookup import extra_installed as extra_installed
+from fsdp_guide.catalog._lookup import get_strategy as get_strategy
+from fsdp_guide.catalog._lookup import install_command as install_command
+from fsdp_guide.catalog._lookup import resolve_stage as resolve_stage
+from fsdp_guide.catalog._table import DEFAULT_STRATEGIES as DEFAULT_STRATEGIES
+from fsdp_guide.catalog._table import STRATEGIES
+from fsdp_guide.catalog._table import EngineName as EngineName
+from fsdp_guide.catalog._table import Requirement as Requirement
+from fsdp_guide.catalog._table import StrategySpec as StrategySpec
 
 __all__ = [
-    "DEFAULT_STRATEGIES",
     "STRATEGIES",
-    "EngineName",
-    "Requirement",
-    "StrategySpec",
-    "check_strategies",
-    "cpu_strategies",
-    "extra_installed",
-    "get_strategy",
-    "install_command",
-    "resolve_stage",
 ]

@@ -103,7 +103,7 @@ def check_strategies(
     Raises:
         ValueError: For an empty list, an unknown or repeated name, or a CUDA-only strategy
             without CUDA.
-        MissingRequirementError: (a ``ValueError``) For a DeepSpeed strategy without the
+        ValueError: ``MissingRequirementError``: For a DeepSpeed strategy without the
             ``deepspeed`` extra, naming the command that installs it.
 
     Examples:

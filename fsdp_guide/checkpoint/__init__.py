@@ -9,9 +9,9 @@ it with its own model and optimizer):
   one file that loads at any world size into any strategy; ``kind="sharded"`` (FSDP1, FSDP2,
   FairScale FSDP, DeepSpeed) has each rank write only its own shards, for states too large
   to gather on one rank. ``extra`` (step, epoch, RNG states) is saved with it.
-- :func:`save_async` (FSDP1, FSDP2) to save without stopping: it returns once the state is
-  copied into host memory, a thread writes it while training goes on, and
-  :meth:`AsyncSave.wait` finishes it with the same guarantees as :func:`save`.
+- ``save(..., kind="sharded", blocking=False)`` (FSDP1, FSDP2) to save without stopping: it
+  returns once the state is copied into host memory, a thread writes it while training goes
+  on, and the handle's ``wait()`` finishes it with the same guarantees.
 - :func:`load` after building the model and optimizer exactly as for training; it returns
   that ``extra``. Restoring RNG states from it is yours to do, since only you know which
   generators matter.
@@ -20,7 +20,7 @@ it with its own model and optimizer):
 
 The engine (plain module, DDP, ``ZeroRedundancyOptimizer``, FairScale OSS, ShardedDDP and
 FSDP, PyTorch FSDP1 and FSDP2, DeepSpeed) is read from the model and optimizer by
-:func:`fsdp_guide.engines.detect`; its adapter (:class:`fsdp_guide.engines.Engine`) moves its
+:func:`fsdp_guide.engines.engine_for`; its adapter (:class:`fsdp_guide.engines.Engine`) moves its
 state.
 
 A failure on any rank raises the same :class:`~fsdp_guide.errors.CheckpointError` on every
@@ -35,21 +35,12 @@ with its own `checkpointing <https://deepspeed.readthedocs.io/en/latest/model-ch
 from __future__ import annotations
 
 from fsdp_guide.checkpoint._api import load, save
-from fsdp_guide.checkpoint._async import AsyncSave, save_async
+from fsdp_guide.checkpoint._async import AsyncSave as AsyncSave
 from fsdp_guide.checkpoint._consolidate import consolidate
+from fsdp_guide.checkpoint._into_shards import load_full_state_dict
+from fsdp_guide.checkpoint._into_shards import read_full_state_dict as read_full_state_dict
 
-# Kept importable for code written against earlier versions: fsdp_guide.engines.detect names
-# the engine, fsdp_guide.errors documents the error.
-from fsdp_guide.checkpoint._detect import detect_strategy as detect_strategy
-from fsdp_guide.checkpoint._into_shards import load_full_state_dict, read_full_state_dict
+# Documented in fsdp_guide.errors; importable from here too, as the lessons catch it.
 from fsdp_guide.errors import CheckpointError as CheckpointError
 
-__all__ = [
-    "AsyncSave",
-    "consolidate",
-    "load",
-    "load_full_state_dict",
-    "read_full_state_dict",
-    "save",
-    "save_async",
-]
+__all__ = ["consolidate", "load", "load_full_state_dict", "save"]

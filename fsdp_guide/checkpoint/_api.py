@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from fsdp_guide.checkpoint._state import (
 from fsdp_guide.engines import Engine, engine_class
 from fsdp_guide.errors import CheckpointError
 from fsdp_guide.launcher import every_rank_enters
+
+if TYPE_CHECKING:  # the background save builds on this module
+    from fsdp_guide.checkpoint._async import AsyncSave
 
 CheckpointKind = Literal["full", "sharded"]
 
@@ -53,6 +56,7 @@ def _check_save_arguments(path: Path, kind: str, engine: Engine | str, extra: An
         check_weights_only_value(extra)
 
 
+@overload
 def save(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -60,7 +64,31 @@ def save(
     *,
     kind: CheckpointKind = "full",
     extra: dict[str, Any] | None = None,
-) -> Path:
+    blocking: Literal[True] = True,
+) -> Path: ...
+
+
+@overload
+def save(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    kind: CheckpointKind = "full",
+    extra: dict[str, Any] | None = None,
+    blocking: Literal[False],
+) -> AsyncSave: ...
+
+
+def save(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    kind: CheckpointKind = "full",
+    extra: dict[str, Any] | None = None,
+    blocking: bool = True,
+) -> Path | AsyncSave:
     """Save model and optimizer state (collective: call on every rank).
 
     Args:
@@ -75,18 +103,26 @@ def save(
             size, or is consolidated).
         extra: Small metadata to restore with it (step, epoch, RNG state): tensors, numbers,
             strings and containers of them. Rank 0's is saved.
+        blocking: ``False`` saves without stopping (``kind="sharded"``, FSDP1 and FSDP2):
+            the call returns once each rank's shards are copied into host memory, a thread
+            writes them (``torch.distributed.checkpoint.async_save``) while training goes
+            on, and the handle's ``wait()``, called by every rank before the next save,
+            hashes every file and only then names the new checkpoint in the index. What
+            loads is the state at the call; until ``wait()`` ends, the previous checkpoint.
 
     Returns:
-        The path written.
+        The path written; with ``blocking=False``, the save's handle: ``wait()`` finishes
+        it and returns the path, ``staged_bytes`` is this rank's copy in host memory.
 
     Raises:
         ValueError: Unknown ``kind``, ``"sharded"`` for a strategy that does not shard
-            parameters, a path of the wrong type, or a sharded target directory holding
-            other files. Raised before anything is written.
+            parameters, a path of the wrong type, a sharded target directory holding
+            other files, or ``blocking=False`` without ``kind="sharded"`` or with another
+            engine than FSDP1 and FSDP2. Raised before anything is written.
         TypeError: ``extra`` holds something a ``weights_only`` load would refuse.
         CheckpointError: Writing failed on some rank; the previous checkpoint is intact.
-        CollectiveCallError: Some rank did not call it within a few seconds of the others
-            (``if rank == 0:`` around the call).
+        RuntimeError: ``CollectiveCallError``: Some rank did not call it within a few seconds of
+            the others (``if rank == 0:`` around the call).
 
     Examples:
         >>> import tempfile
@@ -96,6 +132,17 @@ def save(
         >>> load(path, nn.Linear(2, 1), None)
         {'step': 7}
     """
+    if blocking is not True:
+        if blocking is not False:
+            raise ValueError(f"blocking must be True or False, got {blocking!r}")
+        if kind != "sharded":
+            raise ValueError(
+                "blocking=False writes each rank's shards in the background: pass "
+                "kind='sharded' (FSDP1, FSDP2)"
+            )
+        from fsdp_guide.checkpoint._async import save_async  # it builds on this module
+
+        return save_async(path, model, optimizer, extra=extra)
     every_rank_enters("fsdp_guide.checkpoint.save")
     path = Path(path)
     engine = engine_of(model, optimizer)
@@ -142,7 +189,8 @@ def load(
             take (FairScale FSDP at another world size, ZeRO or OSS), parameter names or shapes
             that differ (listed), an optimizer state the checkpoint lacks, or one of another
             optimizer type (both named).
-        CollectiveCallError: Some rank did not call it within a few seconds of the others.
+        RuntimeError: ``CollectiveCallError``: Some rank did not call it within a few seconds of
+            the others.
 
     Examples:
         >>> import tempfile

@@ -1,4 +1,4 @@
-"""Saving without stopping: :func:`save_async` and its :class:`AsyncSave` handle (private).
+"""Saving without stopping: ``save(..., blocking=False)`` and its handle (private).
 
 ``torch.distributed.checkpoint.async_save`` copies a rank's state into host memory (staging)
 and returns; a background thread writes the copy while training goes on. The copy is what
@@ -50,11 +50,12 @@ def _saving_group() -> Any:
 
 
 class AsyncSave:
-    """A save :func:`save_async` started: its files are being written in the background.
+    """A save ``save(..., kind="sharded", blocking=False)`` started: its files are being
+    written in the background.
 
     Attributes:
         path: The checkpoint directory.
-        returned_after: Seconds :func:`save_async` took to return (the state staged).
+        returned_after: Seconds the call took to return (the state staged).
         staged_bytes: Bytes of this rank's state copied into host memory for the write.
     """
 
@@ -112,7 +113,8 @@ def save_async(
     *,
     extra: dict[str, Any] | None = None,
 ) -> AsyncSave:
-    """Start a sharded save of FSDP1 or FSDP2 and return once the state is staged.
+    """Start a sharded save of FSDP1 or FSDP2 and return once the state is staged
+    (:func:`~fsdp_guide.checkpoint.save` with ``blocking=False``).
 
     Collective: every rank calls it, then every rank calls :meth:`AsyncSave.wait` before the
     next save (training steps may run in between). The checkpoint is the state at this call,
@@ -141,8 +143,8 @@ def save_async(
     _check_save_arguments(path, "sharded", engine, extra)
     if engine.sharded_layout != "dcp":
         raise ValueError(
-            f"save_async writes DCP shards (PyTorch FSDP1 and FSDP2), not {engine.title}: "
-            "use save(..., kind='sharded')"
+            f"blocking=False writes DCP shards (PyTorch FSDP1 and FSDP2), not {engine.title}: "
+            "save it with blocking=True"
         )
     group = _saving_group()
     data = begin_sharded(path)

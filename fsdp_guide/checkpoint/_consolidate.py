@@ -91,7 +91,7 @@ def consolidate(source: str | os.PathLike[str], target: str | os.PathLike[str]) 
         >>> from torch import nn
         >>> from torch.distributed.device_mesh import init_device_mesh
         >>> from torch.distributed.fsdp import fully_shard
-        >>> from fsdp_guide import dist_init, find_free_port
+        >>> from fsdp_guide.launcher import dist_init, find_free_port
         >>> from fsdp_guide.checkpoint import load, save
         >>> dist_init(0, 1, master_port=find_free_port())
         >>> model = fully_shard(nn.Linear(2, 1), mesh=init_device_mesh("cpu", (1,)))

@@ -1,7 +1,7 @@
 """The engine of a model being saved or loaded (private).
 
 A checkpoint depends on the wrapper, not on how it was configured: the engine's adapter
-(:func:`fsdp_guide.engines.detect`) says how its state goes in and out.
+(:func:`fsdp_guide.engines.engine_for`) says how its state goes in and out.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdp_guide.engines import Engine, detect, unit_of
+from fsdp_guide.engines import Engine, engine_for, unit_of
 
 
 def engine_of(
@@ -30,7 +30,7 @@ def engine_of(
         return given
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    engine = detect(model, optimizer)
+    engine = engine_for(model, optimizer)
     if unit_of(model) is None and any(unit_of(m) is not None for m in model.modules()):
         raise TypeError(
             "FSDP is applied to sub-modules but not to the root module; wrap the root as well "
@@ -39,16 +39,3 @@ def engine_of(
     if given is not None and given != engine.name:
         raise ValueError(f"this model and optimizer are {engine.name!r}, not {given!r}")
     return engine
-
-
-def detect_strategy(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
-    """The name of the engine of ``model`` and ``optimizer`` (``"module"`` for none).
-
-    Kept for code written against earlier versions: :func:`fsdp_guide.engines.detect`
-    gives the engine itself.
-
-    Examples:
-        >>> detect_strategy(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters()))
-        'module'
-    """
-    return engine_of(model, optimizer).name

@@ -92,7 +92,8 @@ def read_full_state_dict(source: Source) -> dict[str, torch.Tensor]:
         CheckpointError: A missing, unreadable or changed file (bytes that do not match its
             digest or checksums), pickled code, or anything but a mapping of names to
             tensors.
-        MissingRequirementError: A ``.safetensors`` file without the safetensors package.
+        ValueError: ``MissingRequirementError``: A ``.safetensors`` file without the safetensors
+            package.
 
     Examples:
         >>> import tempfile
@@ -155,7 +156,7 @@ def load_full_state_dict(
     """Load full weights into a sharded model, read by rank 0 alone.
 
     Collective: every rank calls it with its own model (FSDP2 or FSDP1, or a plain module or
-    DDP). Rank 0 reads ``source`` (see :func:`read_full_state_dict`: its bytes verified
+    DDP). Rank 0 reads ``source`` (``read_full_state_dict``: its bytes verified
     first; other ranks may pass ``None``) and checks names and shapes against the model;
     then PyTorch's ``set_model_state_dict(..., full_state_dict=True,
     broadcast_from_rank0=True)`` sends the tensors one by one. Into FSDP2 each rank copies

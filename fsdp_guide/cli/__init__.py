@@ -14,7 +14,8 @@ from typing import NoReturn
 
 from fsdp_guide.errors import CommandError as CommandError  # documented in fsdp_guide.errors
 
-__all__ = ["build_parser", "main"]
+# The command line is documented as commands (docs/cli.md), not as Python names.
+__all__: list[str] = []
 
 # Modules that define ``add_parser(subparsers)``; each sets ``func`` on its sub-parser.
 _COMMANDS: tuple[str, ...] = (

@@ -23,7 +23,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fsdp_guide.examples import hello
+    from fsdp_guide._examples import hello
     from fsdp_guide.launcher import launch
 
     results = launch(hello, world_size=args.world_size, backend="gloo")

@@ -298,7 +298,7 @@ def run_model(args: argparse.Namespace) -> int:
 def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 0.1) -> str:
     """One line per strategy, its fullest rank, and the recommendation when a GPU size is given.
 
-    The recommendation (:func:`~fsdp_guide.memory.recommend`) is the strategy that fits
+    The recommendation (``recommend``) is the strategy that fits
     (within ``gpu_memory`` less the margin) on the best-maintained engine (FSDP2 before FSDP1,
     both before FairScale), with the least communication per step, then the least memory;
     under it, the fine-tuning recipe of the repository's ``examples/recipes`` that trains

@@ -1,11 +1,10 @@
 """Communication per rank and step: the collectives counted, and predicted.
 
 :func:`count_collectives` counts the collectives a rank issues while a block runs (calls,
-elements and bytes per kind, and whether the count is complete, in a :class:`CommStats`);
+elements and bytes per kind, and whether the count is complete, in its ``stats``);
 :func:`predict_communication` gives what a strategy's engine issues per step in the same
-units, next to the ZeRO paper's volume, in a :class:`CommPrediction`, so the two compare as
-memory does. :func:`root_unit_params` is the part of a fully sharded model that is gathered
-once per step, not twice.
+units, next to the ZeRO paper's volume, so the two compare as
+memory does.
 
 Examples:
     >>> from fsdp_guide.comm import predict_communication
@@ -15,26 +14,18 @@ Examples:
 
 from __future__ import annotations
 
-from fsdp_guide.comm._count import (
-    COLLECTIVE_KINDS,
-    CollectiveCount,
-    CollectiveKind,
-    CommCounter,
-    CommStats,
-    count_collectives,
-    payload_of,
-)
-from fsdp_guide.comm._predict import CommPrediction, predict_communication, root_unit_params
+from fsdp_guide.comm._count import CommCounter as CommCounter
+from fsdp_guide.comm._count import count_collectives
+from fsdp_guide.comm._count import payload_of as payload_of
+from fsdp_guide.comm._predict import CommPrediction as CommPrediction
+from fsdp_guide.comm._predict import predict_communication
+from fsdp_guide.comm._predict import root_unit_params as root_unit_params
+from fsdp_guide.comm._stats import COLLECTIVE_KINDS as COLLECTIVE_KINDS
+from fsdp_guide.comm._stats import CollectiveCount as CollectiveCount
+from fsdp_guide.comm._stats import CollectiveKind as CollectiveKind
+from fsdp_guide.comm._stats import CommStats as CommStats
 
 __all__ = [
-    "COLLECTIVE_KINDS",
-    "CollectiveCount",
-    "CollectiveKind",
-    "CommCounter",
-    "CommPrediction",
-    "CommStats",
     "count_collectives",
-    "payload_of",
     "predict_communication",
-    "root_unit_params",
 ]

@@ -24,30 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-CollectiveKind = Literal[
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "gather",
-    "scatter",
-    "send",
-    "recv",
-    "barrier",
-]
-
-#: Every kind, in the order tables show them.
-COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = get_args(CollectiveKind)
+from fsdp_guide.comm._stats import COLLECTIVE_KINDS, CollectiveCount, CollectiveKind, CommStats
 
 # c10d op name -> (kind, index of the argument whose tensors are the payload).
 _OPS: dict[str, tuple[CollectiveKind, int]] = {
@@ -72,106 +56,6 @@ _OPS: dict[str, tuple[CollectiveKind, int]] = {
     "barrier": ("barrier", 0),
     "monitored_barrier_": ("barrier", 0),
 }
-
-
-@dataclass(frozen=True)
-class CollectiveCount:
-    """Calls and payload of one kind of collective.
-
-    Attributes:
-        calls: Collectives of this kind issued.
-        elements: Payload elements (see the module docstring for which tensor is counted).
-        bytes: Payload bytes (elements times their element size, each at its own dtype).
-        dtypes: The dtypes seen, as ``str(torch.dtype)``, sorted.
-    """
-
-    calls: int = 0
-    elements: int = 0
-    bytes: int = 0
-    dtypes: tuple[str, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready dict.
-
-        Examples:
-            >>> CollectiveCount(1, 4, 16, ("torch.float32",)).as_dict()["bytes"]
-            16
-        """
-        return {
-            "calls": self.calls,
-            "elements": self.elements,
-            "bytes": self.bytes,
-            "dtypes": list(self.dtypes),
-        }
-
-
-@dataclass(frozen=True)
-class CommStats:
-    """What one rank issued while :func:`count_collectives` was active.
-
-    Attributes:
-        kinds: Per collective kind, its :class:`CollectiveCount` (kinds never seen are absent).
-        complete: ``False`` when collectives may have been issued that were not counted
-            (from another thread, or on a group whose sequence number cannot be read).
-        reason: Why ``complete`` is ``False``; ``""`` otherwise.
-        unseen_calls: Collectives the process groups issued that the counter did not see.
-    """
-
-    kinds: Mapping[str, CollectiveCount] = field(default_factory=dict)
-    complete: bool = True
-    reason: str = ""
-    unseen_calls: int = 0
-
-    @property
-    def calls(self) -> int:
-        """Collectives counted, all kinds."""
-        return sum(c.calls for c in self.kinds.values())
-
-    @property
-    def elements(self) -> int:
-        """Payload elements counted, all kinds."""
-        return sum(c.elements for c in self.kinds.values())
-
-    @property
-    def bytes(self) -> int:
-        """Payload bytes counted, all kinds.
-
-        Examples:
-            >>> stats = CommStats({"all_reduce": CollectiveCount(2, 10, 40)})
-            >>> stats.calls, stats.elements, stats.bytes
-            (2, 10, 40)
-        """
-        return sum(c.bytes for c in self.kinds.values())
-
-    def elements_by_kind(self) -> dict[str, int]:
-        """Payload elements per kind, in :data:`COLLECTIVE_KINDS` order, barriers left out.
-
-        Examples:
-            >>> CommStats({"broadcast": CollectiveCount(1, 3, 12)}).elements_by_kind()
-            {'broadcast': 3}
-        """
-        return {
-            k: self.kinds[k].elements
-            for k in COLLECTIVE_KINDS
-            if k in self.kinds and k != "barrier"
-        }
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready dict with the per-kind breakdown.
-
-        Examples:
-            >>> CommStats({"reduce": CollectiveCount(1, 3, 12)}).as_dict()["kinds"]["reduce"]
-            {'calls': 1, 'elements': 3, 'bytes': 12, 'dtypes': []}
-        """
-        return {
-            "calls": self.calls,
-            "elements": self.elements,
-            "bytes": self.bytes,
-            "complete": self.complete,
-            "reason": self.reason,
-            "unseen_calls": self.unseen_calls,
-            "kinds": {k: c.as_dict() for k, c in self.kinds.items()},
-        }
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -399,7 +283,7 @@ def count_collectives(all_threads: bool = False) -> Iterator[CommCounter]:
             replaced for the whole process while the block runs.
 
     Yields:
-        A :class:`CommCounter`; its ``stats`` is a :class:`CommStats` after the block.
+        A counter; its ``stats`` (a ``CommStats``) are the block's collectives once it ends.
 
     Raises:
         RuntimeError: Reading ``stats`` inside the block.

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fsdp_guide.catalog import get_strategy
-from fsdp_guide.engines import ModelShape, detect, engine_for
+from fsdp_guide.engines import ModelShape, engine_for
 from fsdp_guide.launcher import check_world_size
 
 _DTYPE_SIZES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp64": 8}
@@ -163,7 +163,7 @@ def predict_communication(
 
     ``R`` is the root unit's parameters: FSDP keeps the root unit unsharded from forward to
     backward, so only the other units are gathered twice (``R = Ψ`` when the whole model is
-    one unit; see :func:`root_unit_params`). The paper's zero3 has ``R = 0``. The hybrid
+    one unit). The paper's zero3 has ``R = 0``. The hybrid
     all-reduce of each ``Ψ/S`` gradient shard spans the ``N/S`` replicas; FSDP1 issues it
     even when there is one replica (it sends nothing then).
 
@@ -179,7 +179,7 @@ def predict_communication(
     few hundred elements once, while DeepSpeed settles its prefetch order.
 
     What DDP (and ZeroRedundancyOptimizer and OSS over it) sends once is apart, in
-    :attr:`CommPrediction.once`, given the model's shape: when it wraps the model, an
+    ``once``, given the model's shape: when it wraps the model, an
     all-gather of one element a rank and broadcasts of rank 0's parameter sizes and strides,
     parameters and buffers; at the start of the second forward, the broadcast of its
     regrouped buckets' layout.
@@ -199,7 +199,7 @@ def predict_communication(
             ``num_params`` must equal its ``Ψ``, ``root_unit_params`` is not read.
 
     Returns:
-        A :class:`CommPrediction`.
+        A ``CommPrediction``.
 
     Raises:
         ValueError: For an unknown strategy or dtype, a world size below 1, or a negative
@@ -293,4 +293,4 @@ def root_unit_params(module: nn.Module) -> int:
         >>> root_unit_params(nn.Linear(2, 2))
         0
     """
-    return detect(module).root_unit_params(module)
+    return engine_for(module).root_unit_params(module)

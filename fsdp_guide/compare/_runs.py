@@ -177,7 +177,7 @@ def run_comparison(
     comm: bool = True,
     wrap: str = "blocks",
 ) -> list[ComparisonRow]:
-    """Launch :func:`train_and_measure` for each strategy; pair measurements with predictions.
+    """Train under each strategy on launched ranks; pair measurements with predictions.
 
     Args:
         strategies: Names from :data:`~fsdp_guide.catalog.STRATEGIES`.

@@ -90,7 +90,8 @@ def _linker_probes_silenced() -> Iterator[None]:
 def import_deepspeed() -> ModuleType:
     """Import DeepSpeed ready to run here: the rank's accelerator, no compiled comm op.
 
-    The accelerator is :func:`rank_accelerator`'s, unless ``DS_ACCELERATOR`` says otherwise.
+    The accelerator is the rank's device's (a gloo rank's is the CPU), unless
+    ``DS_ACCELERATOR`` says otherwise.
 
     On CPU, ``deepspeed.init_distributed`` builds its shared-memory collectives op
     (``deepspeed_shm_comm``) with the C++ compiler in every new process: 75 s the first
@@ -101,7 +102,7 @@ def import_deepspeed() -> ModuleType:
         The ``deepspeed`` module.
 
     Raises:
-        MissingRequirementError: DeepSpeed is not installed.
+        ValueError: ``MissingRequirementError``: DeepSpeed is not installed.
         RuntimeError: DeepSpeed was imported before, with another accelerator than the
             rank's device (a forked rank inherits its parent's choice).
     """
@@ -153,7 +154,7 @@ def initialize(model: nn.Module, config: Mapping[str, Any]) -> tuple[nn.Module, 
         which is not a ``torch.optim.Optimizer``).
 
     Raises:
-        MissingRequirementError: DeepSpeed is not installed.
+        ValueError: ``MissingRequirementError``: DeepSpeed is not installed.
     """
     deepspeed = import_deepspeed()
     import torch.distributed as dist

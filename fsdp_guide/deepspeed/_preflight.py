@@ -42,7 +42,7 @@ def deepspeed_installed() -> bool:
 
 
 def check_installed(what: str = "DeepSpeed ZeRO") -> None:
-    """Raise a one-line :class:`MissingRequirementError` naming the fix unless DeepSpeed is there.
+    """Raise a one-line ``MissingRequirementError`` naming the fix unless DeepSpeed is there.
 
     Args:
         what: What needs it, for the message.
@@ -117,7 +117,7 @@ def check_compiler(config: Mapping[str, Any], *, cuda: bool = False) -> None:
     """Raise unless every op the config compiles is prebuilt or a compiler is on ``PATH``.
 
     Raises:
-        MissingRequirementError: One line naming the ops and the two fixes.
+        ValueError: ``MissingRequirementError``: One line naming the ops and the two fixes.
 
     Examples:
         >>> from fsdp_guide.deepspeed import zero_config
@@ -141,8 +141,8 @@ def preflight(config: Mapping[str, Any] | None = None, *, cuda: bool = False) ->
         cuda: Whether it runs on GPUs.
 
     Raises:
-        MissingRequirementError: The ``deepspeed`` extra is not installed, or the config
-            needs a compiler and there is none.
+        ValueError: ``MissingRequirementError``: The ``deepspeed`` extra is not installed, or the
+            config needs a compiler and there is none.
     """
     check_installed()
     if config is not None:

@@ -41,7 +41,7 @@ class Engine(ABC):
     * **recognise**: whether a trained model and optimizer are its own;
     * **memory**: the ZeRO stage that describes the state after ``optimizer.step()``, the
       ranks it shards over, each rank's :class:`Layout` (to the element), the largest
-      :class:`Transient` buffer;
+      ``Transient`` buffer;
     * **communication**: the :class:`Collectives` of one step;
     * **training**: one backward and optimizer step, and clearing the gradients.
 
@@ -51,7 +51,7 @@ class Engine(ABC):
     FSDP units are answered by the same adapters, through :class:`~fsdp_guide.engines.UnitEngine`.
     """
 
-    #: The engine's name, as catalog rows give it (:attr:`~fsdp_guide.catalog.StrategySpec.engine`).
+    #: The engine's name, as the rows of :data:`~fsdp_guide.catalog.STRATEGIES` give it.
     name: ClassVar[str]
     #: What it is, in a few words.
     title: ClassVar[str]
@@ -60,7 +60,7 @@ class Engine(ABC):
     #: 0 for an engine its maintainers develop (DDP, ZeroRedundancyOptimizer, FSDP2,
     #: DeepSpeed), 1 for a superseded one (FSDP1, by FSDP2; its ``NO_SHARD`` already warns
     #: it is deprecated), 2 for one no longer developed (FairScale's last release was in
-    #: 2022); :func:`fsdp_guide.memory.recommend` ranks plans by it first.
+    #: 2022); the planner's recommendation ranks plans by it first.
     maintenance: ClassVar[int] = 0
     #: Tensors hung on a parameter that hold its data (shards, gathered copies).
     param_buffers: ClassVar[tuple[str, ...]] = ()
@@ -291,7 +291,7 @@ class Engine(ABC):
         return []
 
     def state_tensors(self, module: nn.Module, optimizer: object) -> dict[str, list[Any]] | None:
-        """The tensors a rank holds by :class:`~fsdp_guide.memory.ModelState` field, where
+        """The tensors a rank holds by ``ModelState`` field, where
         the generic walk over parameters, gradients and optimizer state would miss them
         (DeepSpeed's flat partitions); ``None`` for the generic walk."""
         return None

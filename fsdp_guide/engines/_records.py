@@ -1,9 +1,9 @@
 """What an engine's answers are made of: :class:`Layout`, :class:`Collectives` and
-:class:`Transient` (private).
+``Transient`` (private).
 
 Counted in **elements**, not bytes: an engine decides how many parameter, gradient and
 optimizer-state elements a rank keeps, the precision decides how many bytes each is
-(:func:`fsdp_guide.memory.bytes_per_param`).
+(``bytes_per_param``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engines by name, the engine of a strategy, and the engine of a trained model (private)."""
+"""The engines by name, and the one way to get an engine: :func:`engine_for` (private module)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from fsdp_guide.engines.plain import Plain
 from fsdp_guide.engines.sharded_ddp import ShardedDDP
 from fsdp_guide.engines.zero1 import Zero1
 
-#: Every engine, in the order :func:`detect` asks them: wrappers of wrappers first (a
-#: DeepSpeed engine, FSDP), the optimizer-only ones (OSS, ZeRO) before DDP, which they wrap.
+#: Every engine, in the order :func:`engine_for` asks them about a model: wrappers of
+#: wrappers first (a DeepSpeed engine, FSDP), the optimizer-only ones (OSS, ZeRO) before DDP,
+#: which they wrap.
 ENGINES: tuple[type[Engine], ...] = (
     DeepSpeedZero,
     FairScaleFSDP,
@@ -41,6 +42,53 @@ PARAM_BUFFERS: tuple[str, ...] = tuple(dict.fromkeys(n for e in ENGINES for n in
 GRAD_BUFFERS: tuple[str, ...] = tuple(dict.fromkeys(n for e in ENGINES for n in e.grad_buffers))
 
 
+def engine_for(source: str | StrategySpec | nn.Module, optimizer: object = None) -> Engine:
+    """The engine of a strategy, or of a model that an engine wrapped.
+
+    Args:
+        source: A strategy: its name (or an alias) in :data:`fsdp_guide.catalog.STRATEGIES`,
+            or its row; the engine it runs on comes configured with the strategy's settings.
+            Or a model: the engine that wrapped it, read from its type and its optimizer's
+            (FairScale and DeepSpeed types are recognised only once those libraries were
+            imported; a model no engine wrapped is the ``"module"`` engine).
+        optimizer: With a model, its optimizer (OSS, ``ZeroRedundancyOptimizer`` and
+            DeepSpeed are told apart by it).
+
+    Raises:
+        ValueError: For an unknown strategy.
+        TypeError: For an optimizer given with a strategy, or a source of another type.
+
+    Examples:
+        >>> engine = engine_for("fsdp_grad_op")
+        >>> engine.name, engine.sharding_strategy
+        ('fsdp1', 'SHARD_GRAD_OP')
+        >>> engine = engine_for("deepspeed_zero2_offload")
+        >>> type(engine).__name__, engine.stage, engine.offload_optimizer, engine.offload_params
+        ('DeepSpeedZero', 2, True, False)
+        >>> engine_for(nn.Linear(2, 2)).name
+        'module'
+    """
+    if isinstance(source, nn.Module):
+        for cls in ENGINES:
+            if cls.recognises(source, optimizer):
+                return cls.from_model(source, optimizer)
+        raise AssertionError("Plain recognises every model")  # pragma: no cover
+    if optimizer is not None:
+        raise TypeError("engine_for takes an optimizer with a model only, not with a strategy")
+    if not isinstance(source, str | StrategySpec):
+        raise TypeError(
+            f"engine_for takes a strategy name, a StrategySpec or a model, got "
+            f"{type(source).__name__}"
+        )
+    spec = source if isinstance(source, StrategySpec) else get_strategy(source)
+    return engine_class(spec.engine)(**spec.settings)
+
+
+# What the other sub-packages need besides engine_for (importable from the façade, not in
+# its __all__): the adapter class of an engine named in a checkpoint, the unit-sharding
+# engine a wrap asks for, what unit a module is, and a strategy's engine built in a rank.
+
+
 def engine_class(name: str) -> type[Engine]:
     """The adapter class of the engine called ``name`` (or an older spelling).
 
@@ -50,6 +98,10 @@ def engine_class(name: str) -> type[Engine]:
     Examples:
         >>> engine_class("fsdp2").sharded_layout, engine_class("deepspeed").saves_full
         ('dcp', False)
+        >>> engine_class("zero3")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown engine 'zero3'; choose one of 'deepspeed', 'fairscale_fsdp', ...
     """
     cls = _BY_NAME.get(name) if isinstance(name, str) else None
     if cls is None:
@@ -58,71 +110,11 @@ def engine_class(name: str) -> type[Engine]:
     return cls
 
 
-def get_engine(name: str, **settings: object) -> Engine:
-    """The engine called ``name`` (or an older spelling), configured with ``settings``.
-
-    Raises:
-        ValueError: For an unknown name.
-        TypeError: For a setting the engine does not have.
-
-    Examples:
-        >>> get_engine("fsdp1", sharding_strategy="NO_SHARD").stage_at_step
-        0
-        >>> get_engine("zero3")
-        Traceback (most recent call last):
-        ...
-        ValueError: unknown engine 'zero3'; choose one of 'deepspeed', 'fairscale_fsdp', ...
-    """
-    return engine_class(name)(**settings)
+#: The engines that shard a model unit by unit (FSDP), in catalog order.
+UNIT_ENGINES: tuple[type[UnitEngine], ...] = (FSDP1, FSDP2, FairScaleFSDP)
 
 
-def engine_for(strategy: str | StrategySpec) -> Engine:
-    """The engine a strategy runs on, configured with the strategy's settings.
-
-    Raises:
-        ValueError: For an unknown strategy.
-
-    Examples:
-        >>> engine = engine_for("fsdp_grad_op")
-        >>> engine.sharding_strategy, engine.shard_group
-        ('SHARD_GRAD_OP', None)
-        >>> engine = engine_for("deepspeed_zero2_offload")
-        >>> type(engine).__name__, engine.stage, engine.offload_optimizer, engine.offload_params
-        ('DeepSpeedZero', 2, True, False)
-    """
-    spec = strategy if isinstance(strategy, StrategySpec) else get_strategy(strategy)
-    return get_engine(spec.engine, **spec.settings)
-
-
-def detect(model: nn.Module, optimizer: object = None) -> Engine:
-    """The engine that built ``model`` and ``optimizer``, read from their types.
-
-    FairScale and DeepSpeed types are recognised only once those libraries were imported
-    (an object of theirs cannot exist before). A model no engine wrapped is :class:`Plain`.
-
-    Examples:
-        >>> detect(nn.Linear(2, 2)).name
-        'module'
-    """
-    for cls in ENGINES:
-        if cls.recognises(model, optimizer):
-            return cls.from_model(model, optimizer)
-    raise AssertionError("Plain recognises every model")  # pragma: no cover
-
-
-def unit_engines() -> tuple[type[UnitEngine], ...]:
-    """The engines that shard a model unit by unit (FSDP), in catalog order.
-
-    Examples:
-        >>> [e.name for e in unit_engines()]
-        ['fsdp1', 'fsdp2', 'fairscale_fsdp']
-    """
-    order = (FSDP1, FSDP2, FairScaleFSDP)
-    assert {e for e in ENGINES if issubclass(e, UnitEngine)} == set(order)
-    return order
-
-
-def get_unit_engine(name: object) -> UnitEngine:
+def unit_engine(name: object) -> UnitEngine:
     """The unit-sharding engine called ``name``, checked against this machine.
 
     Raises:
@@ -130,16 +122,16 @@ def get_unit_engine(name: object) -> UnitEngine:
         EngineUnavailableError: For one that cannot run here (FairScale FSDP without CUDA).
 
     Examples:
-        >>> get_unit_engine("torch").name
+        >>> unit_engine("torch").name
         'fsdp1'
-        >>> get_unit_engine("deepspeed")
+        >>> unit_engine("deepspeed")
         Traceback (most recent call last):
         ...
         ValueError: unknown engine 'deepspeed'; choose one of 'fsdp1', 'fsdp2', 'fairscale_fsdp'
     """
     cls = _BY_NAME.get(name) if isinstance(name, str) else None
     if cls is None or not issubclass(cls, UnitEngine):
-        choices = ", ".join(repr(e.name) for e in unit_engines())
+        choices = ", ".join(repr(e.name) for e in UNIT_ENGINES)
         raise ValueError(f"unknown engine {name!r}; choose one of {choices}")
     engine = cls()
     engine.check_available()
@@ -153,7 +145,7 @@ def unit_of(module: nn.Module) -> tuple[str, UnitView] | None:
         >>> unit_of(nn.Linear(2, 2)) is None
         True
     """
-    for cls in unit_engines():
+    for cls in UNIT_ENGINES:
         view = cls.unit(module)
         if view is not None:
             return cls.name, view
@@ -174,7 +166,7 @@ def wrap_for_strategy(
         world_size: Number of ranks.
         lr: Adam's learning rate.
         wrap: How a fully sharded strategy cuts the model into units: ``"blocks"`` (a unit
-            per transformer block, :func:`~fsdp_guide.engines.block_classes`) or ``"root"``
+            per transformer block) or ``"root"``
             (the whole model one unit); the other strategies have no units.
 
     Returns:

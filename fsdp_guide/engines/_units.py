@@ -229,7 +229,13 @@ def unit_shapes(
 def model_shape(
     model: nn.Module, rule: UnitRule | UnitPolicy = "blocks", *, trainable_only: bool = False
 ) -> ModelShape:
-    """The :class:`~fsdp_guide.engines.ModelShape` of ``model`` cut into units by ``rule``.
+    """The shape of ``model`` cut into units by ``rule``: what the predictions are computed from.
+
+    Its ``units`` are the shape of each parameter of each unit, the root unit first (a
+    shared parameter is in one unit only); ``buffers`` the elements of the model's buffers,
+    which DDP broadcasts before every forward; ``num_params``, ``root_params`` and
+    ``shapes`` follow from them. With ``trainable_only``, only the parameters that
+    train (``requires_grad``): those that have gradients and optimizer state.
 
     Examples:
         >>> from fsdp_guide.models import TinyTransformer, TransformerConfig

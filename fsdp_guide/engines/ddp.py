@@ -31,7 +31,8 @@ from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
 
-__all__ = ["DDP"]
+# Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
+__all__: list[str] = []
 
 # DDP's default bucket_cap_mb: the largest gradient bucket all-reduced at once.
 DDP_BUCKET_BYTES = 25 * 1024 * 1024

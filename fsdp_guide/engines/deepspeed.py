@@ -7,7 +7,7 @@ to a multiple of ``2N``; stage 3 a parameter shard per tensor (padded to a multi
 ``engine.step()`` clears the other gradients. Stage 3 does not free every parameter after
 its module's forward, as FSDP does: one used again within ``stage3_max_reuse_distance``
 elements (1e9 by default: the whole step of a small model) stays gathered into backward
-(:meth:`DeepSpeedZero.gathered`). Its collectives differ too: stages 1 and 2
+(``DeepSpeedZero.gathered``). Its collectives differ too: stages 1 and 2
 all-reduce the whole gradient (not a reduce-scatter) and all-gather the updated partitions;
 stage 3 gathers each parameter once per step. DeepSpeed itself is the optional ``deepspeed``
 extra, imported only when an engine is built (:mod:`fsdp_guide.deepspeed`).
@@ -43,7 +43,8 @@ from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import Gathered, StepPeak, StepSizes
 from fsdp_guide.engines._zero3 import DEFAULT_MAX_LIVE, DEFAULT_REUSE_DISTANCE, zero3_gathered
 
-__all__ = ["DeepSpeedZero", "deepspeed_layout"]
+# Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
+__all__: list[str] = []
 
 #: The prefetch bucket (elements) :func:`fsdp_guide.deepspeed.zero_config` sets.
 GUIDE_PREFETCH_BUCKET = 2**16
@@ -65,7 +66,7 @@ class DeepSpeedZero(Engine):
     In bf16 (:func:`fsdp_guide.deepspeed.zero_config` with ``bf16=True``), which DeepSpeed
     runs on CPU and gloo at stages 1 to 3, those stages keep the ZeRO optimizer they use in
     fp32 (DeepSpeed's bf16-only optimizer comes in at stage 1 only with fp32 gradient
-    accumulation, which the guide does not ask for) and :func:`deepspeed_layout`'s elements,
+    accumulation, which the guide does not ask for) and ``deepspeed_layout``'s elements,
     at these bytes per element:
 
     =============================================== =====

@@ -27,7 +27,8 @@ from fsdp_guide.engines._units import UnitEngine, UnitPolicy, UnitView
 from fsdp_guide.engines.fsdp1 import FSDP1
 from fsdp_guide.errors import EngineUnavailableError
 
-__all__ = ["FairScaleFSDP", "UnmutatedStateDict", "fairscale_checkpointing"]
+# Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
+__all__: list[str] = []
 
 
 def _fairscale_fsdp_class() -> type[nn.Module] | None:

@@ -40,7 +40,8 @@ from fsdp_guide.engines._units import (
     unit_names,
 )
 
-__all__ = ["FSDP1"]
+# Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
+__all__: list[str] = []
 
 ShardingStrategyName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 

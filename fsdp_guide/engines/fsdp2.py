@@ -21,6 +21,7 @@ Examples:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,12 +32,6 @@ from torch import nn
 
 from fsdp_guide.engines._base import Built, adam, fully_sharded
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
-from fsdp_guide.engines._fsdp2_grads import rows_per_shard, unsharded_grads
-from fsdp_guide.engines._fsdp2_prefetch import (
-    check_prefetch,
-    forward_prefetch_peak,
-    set_prefetch,
-)
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
 from fsdp_guide.engines._step import StepPeak, StepSizes
@@ -50,7 +45,8 @@ from fsdp_guide.engines._units import (
     unit_names,
 )
 
-__all__ = ["FSDP2", "local_tensor", "rows_per_shard"]
+# Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
+__all__: list[str] = []
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,6 +69,54 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
         if isinstance(tensor, DTensor):
             return tensor.to_local()
     return tensor
+
+
+def rows_per_shard(shapes: Sequence[Sequence[int]], group: int) -> tuple[int, list[int]]:
+    """Padded elements per shard, and the elements each of the ``group`` shards really has.
+
+    A parameter of ``r`` rows of ``w`` elements is cut into chunks of ``c = ceil(r / N)``
+    rows: the first ``r // c`` shards get ``c`` rows, the next the remainder, the rest none.
+    A difference array adds that up for all shards at once.
+
+    Examples:
+        >>> rows_per_shard([(3, 2)], 2)  # chunks of 2 rows: 4 elements, then 2
+        (4, [4, 2])
+    """
+    padded = 0
+    diff = [0] * (group + 1)
+    for shape in shapes:
+        rows = shape[0] if len(shape) else 1  # a 0-d parameter is one row of one
+        width = math.prod(shape) // rows if rows else 0
+        chunk = math.ceil(rows / group)
+        padded += chunk * width
+        if chunk == 0:
+            continue
+        full, rest = divmod(rows, chunk)
+        diff[0] += chunk * width
+        diff[full] -= chunk * width
+        if rest:
+            diff[full] += rest * width
+            diff[full + 1] -= rest * width
+    return padded, list(itertools.accumulate(diff[:group]))
+
+
+def unsharded_grads(module: nn.Module) -> list[torch.Tensor]:
+    """The unsharded gradients FSDP2 keeps while ``set_requires_gradient_sync(False)``
+    holds back the reduce-scatter: in the reduce dtype when it differs from the
+    parameters' (``unsharded_accumulated_grad``), else on the unsharded parameter."""
+    fsdp_module = _fsdp_module()
+    held: list[torch.Tensor] = []
+    for sub in module.modules():
+        if not isinstance(sub, fsdp_module):
+            continue
+        group = getattr(sub._get_fsdp_state(), "_fsdp_param_group", None)
+        for param in getattr(group, "fsdp_params", ()):
+            accumulated = getattr(param, "unsharded_accumulated_grad", None)
+            unsharded = getattr(param, "_unsharded_param", None)
+            for grad in (accumulated, getattr(unsharded, "grad", None)):
+                if isinstance(grad, torch.Tensor):
+                    held.append(grad)
+    return held
 
 
 def _fsdp_module() -> type[Any]:
@@ -379,3 +423,71 @@ class FSDP2(TorchStateDict, UnitEngine):
     @classmethod
     def unit(cls, module: nn.Module) -> UnitView | None:
         return UnitView(inner=module, params=None) if cls.recognises(module, None) else None
+
+
+# FSDP2's explicit prefetch: which blocks each block gathers ahead, and what that holds.
+
+
+def check_prefetch(name: str, value: object) -> int:
+    """``value`` as a prefetch count, or a ``ValueError`` that says what to give instead."""
+    # A bool is an int to Python, but True here is FSDP1's switch, not a count of blocks.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        fsdp1 = "forward_prefetch=True" if name == "forward_prefetch" else "'BACKWARD_PRE'"
+        raise ValueError(
+            f"FSDP2's {name} is how many blocks each block gathers ahead: give an int >= 0 "
+            f"(0 keeps FSDP2's own order; FSDP1's {fsdp1} is 1), got {value!r}"
+        )
+    return value
+
+
+def set_prefetch(blocks: Sequence[nn.Module], *, forward: int = 0, backward: int = 0) -> None:
+    """Have each of ``blocks`` (units, in forward order) gather ``forward`` next blocks as its
+    forward starts and ``backward`` previous ones as its backward starts.
+
+    A count of ``0`` leaves that pass to FSDP2's own order (each block gathered as it
+    starts, and in backward the next one ahead). The last blocks prefetch what is left.
+
+    Raises:
+        ValueError: A count that is not an int >= 0.
+
+    Examples:
+        >>> set_prefetch([], forward=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: FSDP2's forward_prefetch is how many blocks each block gathers ahead: ...
+    """
+    forward = check_prefetch("forward_prefetch", forward)
+    backward = check_prefetch("backward_prefetch", backward)
+    units: list[Any] = list(blocks)
+    for index, block in enumerate(units):
+        if forward:
+            block.set_modules_to_forward_prefetch(units[index + 1 : index + 1 + forward])
+        if backward and index:  # the first block has none before it: FSDP2's own is the same
+            # Nearest first: backward reaches block index - 1, then index - 2, ...
+            block.set_modules_to_backward_prefetch(units[max(index - backward, 0) : index][::-1])
+
+
+def forward_prefetch_peak(
+    sizes: StepSizes, forward_prefetch: int, reshard_after_forward: bool | int
+) -> StepPeak | None:
+    """The most held in forward with ``forward_prefetch``: at block ``i`` of ``n``, the
+    activations of blocks ``0..i``, the root, block ``i`` and its copy-out buffer, and the
+    buffers of the blocks after it that it prefetched; ``None`` without forward prefetch."""
+    n = sizes.blocks
+    if not forward_prefetch or not n:
+        return None
+    # Resharded to a 1 / k share, the blocks done so far keep theirs until backward.
+    share = 0 if reshard_after_forward is True else int(reshard_after_forward)
+    best = (0, 0)
+    for index in range(n):
+        ahead = min(forward_prefetch, n - 1 - index)
+        held = sizes.activations * (index + 1) // n + (2 + ahead) * sizes.largest_unit
+        held += index * sizes.largest_unit // share if share else 0
+        best = max(best, (held, ahead))
+    held, ahead = best
+    return StepPeak(
+        bytes=held + sizes.root_unit,
+        phase="forward",
+        kind="activations so far + root + a block gathered + its all-gather buffer"
+        + f" + {ahead} prefetched",
+    )

@@ -1,6 +1,6 @@
 """No engine: a plain module on one process, its optimizer beside it.
 
-What :func:`fsdp_guide.engines.detect` names a model that no engine wrapped, so that
+What :func:`fsdp_guide.engines.engine_for` names a model that no engine wrapped, so that
 checkpoints and measuring treat it like any other (it holds what DDP holds, and sends
 nothing).
 
@@ -21,7 +21,8 @@ from fsdp_guide.engines._base import Built, Engine, adam
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines.ddp import DDP
 
-__all__ = ["Plain"]
+# Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from fsdp_guide.engines._checkpoint import consolidated_everywhere
 from fsdp_guide.engines._partition import largest_first, owned_layout
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 
-__all__ = ["ShardedDDP"]
+# Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
+__all__: list[str] = []
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,8 @@ from fsdp_guide.engines._partition import owned_layout
 from fsdp_guide.engines._records import Collectives, Layout
 from fsdp_guide.engines.ddp import DDP
 
-__all__ = ["Zero1"]
+# Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)

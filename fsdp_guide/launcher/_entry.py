@@ -59,9 +59,9 @@ def every_rank_enters(call: str, why: str = "it already writes each file once") 
         why: Why calling it on every rank is right, for the error message.
 
     Raises:
-        CollectiveCallError: Some rank did not enter ``call`` within :func:`entry_timeout`
-            seconds (or had already finished); the message names the ranks and the usual
-            mistake.
+        RuntimeError: ``CollectiveCallError``: Some rank did not enter ``call`` within
+            :func:`entry_timeout` seconds (or had already finished); the message names the
+            ranks and the usual mistake.
 
     Examples:
         >>> every_rank_enters("fsdp_guide.checkpoint.save")  # no process group: no-op

@@ -30,6 +30,7 @@ from fsdp_guide.launcher._checks import (
 from fsdp_guide.launcher._main_guard import check_main_guard
 from fsdp_guide.launcher._process_group import run_under_torchrun
 from fsdp_guide.launcher._rendezvous import MASTER_ADDR, master_port, under_torchrun
+from fsdp_guide.launcher._tree import Adopter
 
 
 def launch(
@@ -57,29 +58,30 @@ def launch(
     :func:`launch` has the same environment, so ``launch`` called inside ``fn`` behaves the
     same way: it runs in-process on the existing group, and every rank must call it.
 
-    Nothing a rank starts outlives it. On Linux each rank runs below a small guard process,
-    to which every process the rank starts is handed when its own parent exits
-    (``PR_SET_CHILD_SUBREAPER``), even one that leaves the rank's process group and
-    session (a server that daemonizes). When a rank ends, however it ends (it returned,
-    raised or was killed), what it left running gets ``SIGTERM`` and, half a second later,
-    ``SIGKILL``. When ``launch`` stops the ranks (another rank failed, the timeout, an
-    interrupt), each rank and everything below it get ``SIGTERM`` and a second's grace,
-    then ``SIGKILL``. A rank still alive a few seconds after sending its result (a
-    non-daemon thread, say) is stopped the same way, and a line on stderr says so. Every
-    rank, its guard and everything below them die with the process that launched them,
-    however that process ends (a script killed with ``SIGKILL``, a kernel interrupted,
-    restarted or killed), within about a second. Off Linux, a rank leads its own process
-    group, and only what stays in that group is stopped. A forked rank lets go at once of
-    the sockets it inherited, so that a restarted kernel can bind its ports again: open any
-    connection a rank needs (a database, a tracking service) inside ``fn``.
+    Nothing a rank starts outlives it. On Linux each rank is a child subreaper
+    (``PR_SET_CHILD_SUBREAPER``): every process it starts stays below it, even one that
+    leaves the rank's process group and session (a server that daemonizes), and is handed
+    to the launching process, which also is one while ranks run, when the rank dies. When
+    a rank ends, however it ends (it returned, raised or was killed), what it left running
+    gets ``SIGTERM`` and, half a second later, ``SIGKILL``. When ``launch`` stops the
+    ranks (another rank failed, the timeout, an interrupt), each rank and everything below
+    it get ``SIGTERM`` and a second's grace, then ``SIGKILL``. A rank still alive a few
+    seconds after sending its result (a non-daemon thread, say) is stopped the same way,
+    and a line on stderr says so. Every rank and everything below it die with the process
+    that launched them, however that process ends (a script killed with ``SIGKILL``, a
+    kernel interrupted, restarted or killed), within about a second. Off Linux, a rank
+    leads its own process group, and only what stays in that group is stopped. A forked
+    rank lets go at once of the sockets it inherited, so that a restarted kernel can bind
+    its ports again: open any connection a rank needs (a database, a tracking service)
+    inside ``fn``.
 
     Two mistakes that would hang until ``timeout`` fail within seconds instead. ``launch``
     called inside a launched function on some ranks only (under ``if rank == 0:``) raises
-    :class:`~fsdp_guide.errors.CollectiveCallError` on those ranks after 5 s (the
+    ``CollectiveCallError`` on those ranks after 5 s (the
     ``FSDP_GUIDE_ENTRY_TIMEOUT`` the checkpoint helpers use). With gloo on Linux, ranks
     that all wait in collectives that are not the same one (called in a different order,
     or one rank waits in a collective the others skipped) while no rank uses the CPU are
-    stopped after about 4 s with :class:`~fsdp_guide.errors.CollectiveMismatchError`, which
+    stopped after about 4 s with ``CollectiveMismatchError``, which
     names each rank's collective and the line that called it; their stacks are printed. A
     rank that is only slow (computing, sleeping, reading, waiting on anything that is not a
     collective) is never reported this way: only ``timeout`` ends it.
@@ -107,7 +109,8 @@ def launch(
         args: Extra positional arguments for ``fn``.
         kwargs: Extra keyword arguments for ``fn``.
         backend: ``"auto"`` (NCCL with a GPU per rank, else gloo), ``"gloo"`` or ``"nccl"``.
-        timeout: Seconds before all ranks are stopped and :class:`LaunchTimeout` is raised.
+        timeout: Seconds before all ranks are stopped and
+            :class:`~fsdp_guide.errors.LaunchTimeout` is raised.
         start_method: ``"auto"`` (fork in a notebook or interactive prompt on a machine
             without a GPU, else spawn), ``"fork"`` or ``"spawn"``. With a GPU visible, a
             forked rank cannot use CUDA or autograd once this process has run a backward
@@ -133,17 +136,16 @@ def launch(
         RankError: A rank raised, exited non-zero, was killed, or returned a value that
             cannot be unpickled here; the others were stopped. A nested ``launch`` called
             on some ranks only makes those ranks raise
-            :class:`~fsdp_guide.errors.CollectiveCallError`.
-        CollectiveMismatchError: The ranks waited in different collectives, so none could
-            finish; their stacks were printed, all stopped.
+            ``CollectiveCallError``.
+        LaunchError: ``CollectiveMismatchError``: The ranks waited in different collectives, so
+            none could finish; their stacks were printed, all stopped.
         LaunchTimeout: Not every rank finished in time; their stacks were printed, all stopped.
 
     Examples:
-        ``rank_and_sum`` all-reduces ``1 / world_size`` and returns its rank and the sum:
+        Each rank returns ten times its rank; the values come back ordered by rank:
 
-        >>> from fsdp_guide.examples import rank_and_sum
-        >>> launch(rank_and_sum, world_size=2, backend="gloo", start_method="spawn")
-        [(0, 1.0), (1, 1.0)]
+        >>> launch(lambda rank, world_size: 10 * rank, world_size=2, start_method="fork")
+        [0, 10]
     """
     fn, args, kwargs = check_call(fn, args, kwargs)
     timeout = check_timeout(timeout)
@@ -169,12 +171,20 @@ def launch(
         )
     port = master_port()
     ctx = mp.get_context(method)
-    ranks = _supervisor.start_ranks(
-        ctx, job or fn, world_size, args, kwargs, chosen_backend, MASTER_ADDR, port, timeout
-    )
-    try:
-        return _supervisor.supervise(ranks, timeout, watch_collectives=chosen_backend == "gloo")
-    except LaunchError as err:
-        # The supervisor's and selectors' frames say nothing about the failure; the rank's
-        # own traceback is in the message.
-        raise err.with_traceback(None) from None
+    # What a rank killed outright leaves running is handed to this process meanwhile.
+    with Adopter() as adopter:
+        try:
+            ranks = _supervisor.start_ranks(
+                ctx, job or fn, world_size, args, kwargs, chosen_backend, MASTER_ADDR, port, timeout
+            )
+        except BaseException:
+            adopter.end(())
+            raise
+        try:
+            return _supervisor.supervise(
+                ranks, timeout, watch_collectives=chosen_backend == "gloo", adopter=adopter
+            )
+        except LaunchError as err:
+            # The supervisor's and selectors' frames say nothing about the failure; the
+            # rank's own traceback is in the message.
+            raise err.with_traceback(None) from None

@@ -6,9 +6,11 @@ misses it. A rank left behind keeps looping in its collective and, when forked f
 kernel, keeps the kernel's listening sockets open, so the restarted kernel cannot bind its
 ports. Two defences, both set up first thing in the rank:
 
-- :func:`die_with_parent`: Linux's ``PR_SET_PDEATHSIG`` makes the kernel send ``SIGKILL``
-  when the launching thread dies, whatever killed it; elsewhere a watchdog thread polls
-  the parent pid.
+- :func:`die_with_parent`: Linux's ``PR_SET_PDEATHSIG`` sends the rank a real-time signal
+  when the launching thread dies, whatever killed it. The signal is blocked in every thread
+  of the rank but one, which waits for it: it runs even while the main thread sits inside a
+  C++ collective, kills everything below the rank (a child subreaper, ``_tree.py``), then
+  the rank. Elsewhere a watchdog thread polls the parent pid.
 - :func:`release_inherited_sockets`: a forked rank points every socket it inherited (other
   than its own rendezvous listener) at ``/dev/null``, so the launcher's ports are free the
   moment the launcher dies, even before the rank does.
@@ -16,6 +18,7 @@ ports. Two defences, both set up first thing in the rank:
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import functools
@@ -23,7 +26,6 @@ import os
 import signal
 import stat
 import sys
-import threading
 import time
 
 __all__: list[str] = []
@@ -71,24 +73,47 @@ def _watch_parent(parent_pid: int) -> None:
     _kill_own_group()
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Make this rank die when ``parent_pid`` (the launching process) dies.
+#: A rank's parent-death signal: a real-time one, which libraries leave alone.
+DEATH_SIGNAL = signal.SIGRTMAX - 2
 
-    ``PR_SET_PDEATHSIG`` fires when the thread that started the rank exits; :func:`launch`
-    blocks that thread until every rank has ended, so only the launcher's death fires it.
-    The parent may have died before the call: then the rank is already an orphan, and the
-    check of ``os.getppid()`` right after catches it.
+
+def _die_with_everything_below() -> None:
+    from fsdp_guide.launcher._tree import end_below
+
+    end_below(term=False)  # the launcher is gone: SIGKILL at once, no grace
+    _kill_own_group()
+
+
+def _wait_for_parent_death() -> None:
+    signal.sigwait({DEATH_SIGNAL})
+    _die_with_everything_below()
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make this rank, and everything below it, die when ``parent_pid`` (the launcher) dies.
+
+    Call it before the rank starts any thread: the signal is blocked here, so every thread
+    started later (torch's, gloo's, the user's) inherits the block, and only the waiting
+    thread receives it. ``PR_SET_PDEATHSIG`` fires when the thread that started the rank
+    exits; :func:`launch` blocks that thread until every rank has ended, so only the
+    launcher's death fires it. The parent may have died before the call: then the rank is
+    already an orphan, and the check of ``os.getppid()`` right after catches it.
 
     Args:
         parent_pid: The launcher's pid, read before the rank started.
     """
-    armed = _set_pdeathsig(signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        _kill_own_group()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {DEATH_SIGNAL})
+    armed = _set_pdeathsig(DEATH_SIGNAL)
     if not armed:
-        threading.Thread(
-            target=_watch_parent, args=(parent_pid,), name="fsdp_guide-parent-watch", daemon=True
-        ).start()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {DEATH_SIGNAL})
+    if os.getppid() != parent_pid:
+        _die_with_everything_below()
+    # A bare thread: threading.Thread.start would wait until it runs (a context switch on
+    # a busy machine) for nothing; it lives until the rank exits.
+    if armed:
+        _thread.start_new_thread(_wait_for_parent_death, ())
+    else:
+        _thread.start_new_thread(_watch_parent, (parent_pid,))
 
 
 def _open_fds() -> list[int]:

@@ -141,8 +141,8 @@ def dist_init(
 
     Examples:
         >>> import torch.distributed as dist
-        >>> import fsdp_guide
-        >>> fsdp_guide.dist_init(0, 1, master_port=fsdp_guide.find_free_port())
+        >>> from fsdp_guide.launcher import find_free_port
+        >>> dist_init(0, 1, master_port=find_free_port())
         >>> dist.get_world_size()
         1
         >>> dist.destroy_process_group()
@@ -169,8 +169,8 @@ def dist_init(
 def rank_device() -> torch.device:
     """The device this rank computes on, decided by the process group's backend.
 
-    Under NCCL, ``cuda:LOCAL_RANK`` (the GPU :func:`~fsdp_guide.launcher.launch`,
-    ``torchrun`` and :func:`~fsdp_guide.launcher.dist_init` made current; the current GPU
+    Under NCCL, ``cuda:LOCAL_RANK`` (the GPU :func:`~fsdp_guide.launcher.launch` and
+    ``torchrun`` made current; the current GPU
     when ``LOCAL_RANK`` is unset); under any other backend (gloo), the CPU, even on a
     machine with GPUs. Every engine of :func:`fsdp_guide.wrap.shard` places a rank's shards
     there, so a gloo run computes on the CPU whichever engine it uses.

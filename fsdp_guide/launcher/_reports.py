@@ -2,10 +2,10 @@
 
 The supervisor keeps one :class:`Rank` per process. A rank reports through its result pipe
 (a value, a ``sys.exit`` or a traceback) or not at all (killed, ``os._exit``): then its
-exit status tells what happened. Below a guard (``_guard.py``), the guard sends that status
-on the same pipe once nothing the rank started is left, so the launch can end without
-waiting for the guard's own exit. When several ranks fail, the one that caused it is
-blamed, not the peers that merely lost their connection to it.
+exit status tells what happened. The supervisor learns of the exit from a pidfd, which
+a process the rank started cannot hold open (unlike the pipes the rank held). When several
+ranks fail, the one that caused it is blamed, not the peers that merely lost their
+connection to it.
 """
 
 from __future__ import annotations
@@ -21,16 +21,15 @@ from typing import Any
 from fsdp_guide.errors import RankError
 from fsdp_guide.launcher._output import _Stream
 
-# Messages that are not pickles (which start with b"\x80"): the rank's pid, sent once its
-# stack dumps are set up, and its exit code, sent by its guard after the rank's process tree.
+# The one message that is not a pickle (which starts with b"\x80"): the rank's pid, sent once
+# its stack dumps are set up.
 READY = b"ready "
-EXITED = b"exited "
 # The signal that makes a rank write its stacks to the launcher alone (``_hangs.py``): a
 # real-time one, which libraries and training scripts leave alone, unlike SIGUSR1/SIGUSR2.
 PROBE_SIGNAL = signal.SIGRTMAX - 3
 # How long to wait for the rank behind a peer's "connection reset" before stopping everyone,
 # and, once a rank is known to have died (its result pipe closed without a report), for its
-# guard to pass on how it died (longer: only a loaded machine makes this wait).
+# exit status (longer: only a loaded machine makes this wait).
 _CAUSE_WAIT_S = 0.5
 _DYING_WAIT_S = 5.0
 
@@ -44,8 +43,8 @@ class Rank:
     result: Connection
     probe: Connection  # the rank's stack dumps for the launcher alone (``_hangs.py``)
     streams: list[_Stream] = field(default_factory=list)
-    pid: int | None = None  # the rank's own pid, once it is ready (below its guard)
-    exited: int | None = None  # its exit code, as its guard passed it on
+    exit_fd: int | None = None  # a pidfd, readable once the rank exited (else its sentinel)
+    pid: int | None = None  # the rank's pid, once it is ready (its stack dumps set up)
     closed: bool = False  # its result pipe reached end of file
     done: bool = False
     value: Any = None
@@ -83,7 +82,7 @@ def exit_failure(rank: int, exitcode: int | None, spawned_unready: bool = False)
 
 def exit_code(r: Rank) -> int | None:
     """The rank's exit code (negative: killed by that signal), once known."""
-    return r.exited if r.exited is not None else r.process.exitcode
+    return r.process.exitcode
 
 
 def read_result(r: Rank) -> bool:
@@ -96,9 +95,6 @@ def read_result(r: Rank) -> bool:
     if data.startswith(READY):
         r.pid = int(data[len(READY) :])
         return False
-    if data.startswith(EXITED):
-        r.exited = int(data[len(EXITED) :])
-        return True
     r.done = True
     try:
         message = pickle.loads(data)
@@ -134,12 +130,12 @@ def read_result(r: Rank) -> bool:
             remote_traceback=text,
         )
         r.failed_at = failed_at
-    return False  # the guard's report, or end of file, follows
+    return False  # end of file follows
 
 
 def read_pending(r: Rank) -> None:
-    """Read what the rank (and its guard) already sent, without waiting."""
-    while not r.closed and r.exited is None and r.result.poll() and not read_result(r):
+    """Read what the rank already sent, without waiting."""
+    while not r.closed and r.result.poll() and not read_result(r):
         pass
 
 

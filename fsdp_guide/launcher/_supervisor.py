@@ -36,6 +36,7 @@ from fsdp_guide.launcher._reports import (
 )
 from fsdp_guide.launcher._stacks import StackFilter
 from fsdp_guide.launcher._stop import TERMINATE_GRACE_S, close_all, stop_all
+from fsdp_guide.launcher._tree import Adopter, add_rank
 
 __all__: list[str] = []
 
@@ -64,6 +65,14 @@ def _dump_stacks(ranks: list[Rank], grace_s: float = 1.0) -> None:
             os.kill(r.pid, signal.SIGUSR1)  # type: ignore[arg-type]
     if running:
         time.sleep(grace_s)  # let the dumps reach the pipes; _drain prints them
+
+
+def _exit_fd(pid: int | None) -> int | None:
+    """A pidfd of ``pid``, readable once it exits; ``None`` where Linux has none (< 5.3)."""
+    try:
+        return os.pidfd_open(pid or 0)
+    except (AttributeError, OSError):
+        return None
 
 
 def start_ranks(
@@ -125,13 +134,16 @@ def start_ranks(
                     daemon=False,
                 )
                 process.start()
+                add_rank(process.pid or 0)
+                # Opened at once: the next start collects exited children, this one too.
+                exit_fd = _exit_fd(process.pid)
                 # Close our copies of the write ends so EOF arrives when the rank exits, and so
                 # ranks forked later do not inherit (and hold open) this rank's pipes.
                 for w in (out_w, err_w, res_w, probe_w):
                     w.close()
                 if listener is not None:
                     listener.close()  # rank 0 has its own copy now
-            r = Rank(rank=rank, process=process, result=res_r, probe=probe_r)
+            r = Rank(rank=rank, process=process, result=res_r, probe=probe_r, exit_fd=exit_fd)
             r.streams = [
                 _Stream(rank, out_r, sys.stdout),
                 _Stream(rank, err_r, sys.stderr, stacks=StackFilter()),
@@ -144,19 +156,27 @@ def start_ranks(
     return ranks
 
 
-def supervise(ranks: list[Rank], timeout: float, watch_collectives: bool = False) -> list[Any]:
+def supervise(
+    ranks: list[Rank],
+    timeout: float,
+    watch_collectives: bool = False,
+    adopter: Adopter | None = None,
+) -> list[Any]:
     """Relay output until every rank has reported; raise on the first failure or at timeout.
 
     With ``watch_collectives`` (gloo ranks), ranks that wait in different collectives
-    while none makes progress are stopped within seconds (``_hangs.py``).
+    while none makes progress are stopped within seconds (``_hangs.py``). ``adopter``
+    ends, before returning or raising, what ranks that died left to this process.
     """
+    pids = [r.process.pid or 0 for r in ranks]
     watch = HangWatch(watch_collectives)
     selector = selectors.DefaultSelector()
     for r in ranks:
         for s in r.streams:
             selector.register(s.conn.fileno(), selectors.EVENT_READ, ("stream", r, s))
         selector.register(r.result.fileno(), selectors.EVENT_READ, ("result", r, None))
-        selector.register(r.process.sentinel, selectors.EVENT_READ, ("exit", r, None))
+        exit_fd = r.exit_fd if r.exit_fd is not None else r.process.sentinel
+        selector.register(exit_fd, selectors.EVENT_READ, ("exit", r, None))
     deadline = time.monotonic() + timeout
     all_reported_at: float | None = None
     try:
@@ -191,7 +211,7 @@ def supervise(ranks: list[Rank], timeout: float, watch_collectives: bool = False
                     if read_result(r):
                         selector.unregister(key.fd)
                     if exit_code(r) is not None:
-                        on_exit(r)  # its guard's report
+                        on_exit(r)
                 else:
                     selector.unregister(key.fd)
                     r.process.join()
@@ -208,15 +228,19 @@ def supervise(ranks: list[Rank], timeout: float, watch_collectives: bool = False
         # Every rank has reported: stop what is still running in their process groups
         # (processes a rank started and left behind), then print what is left in the pipes.
         stop_all(ranks)
+        if adopter is not None:
+            adopter.end(pids)
         _read_streams_to_eof(selector, time.monotonic() + TERMINATE_GRACE_S)
     except BaseException:
         stop_all(ranks)
+        if adopter is not None:
+            adopter.end(pids)
         _drain(ranks)
         selector.close()
-        close_all(ranks, wait_s=TERMINATE_GRACE_S)  # guards still exiting
+        close_all(ranks, wait_s=TERMINATE_GRACE_S)
         raise
     selector.close()
-    close_all(ranks)  # a guard still exiting is not waited for: it has nothing left to do
+    close_all(ranks)
     return [r.value for r in ranks]
 
 

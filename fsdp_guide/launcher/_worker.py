@@ -2,15 +2,16 @@
 
 Kept apart from the supervisor so a spawned child imports as little as possible. A rank:
 
-1. becomes leader of its own process group, forks below a guard process that outlives it
-   long enough to kill whatever it started (``_guard.py``), and arranges to die with the
-   launching process (``_orphan.py``): a killed kernel must not leave anything behind;
+1. becomes leader of its own process group and a child subreaper, so that nothing it
+   starts can leave its process tree (``_tree.py``), and arranges to die, with everything
+   below it, with the launching process (``_orphan.py``): a killed kernel must not leave
+   anything behind;
 2. sends its stdout and stderr, at the file-descriptor level, into pipes that the
    supervisor reads line by line (C++ warnings from gloo included), and sends
    ``("ready", pid)`` once its stack dumps are set up;
 3. initialises ``torch.distributed``, runs the user's function, destroys the group;
 4. sends back a pickled ``("ok", value)``, ``("exit", status, argument, time)`` (it called
-   ``sys.exit``) or ``("error", text, time)`` message.
+   ``sys.exit``) or ``("error", text, time)`` message, then ends whatever it left running.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
-from fsdp_guide.launcher._guard import split_off_guard
 from fsdp_guide.launcher._orphan import die_with_parent, release_inherited_sockets
 from fsdp_guide.launcher._process_group import init_launched_rank
 from fsdp_guide.launcher._reports import PROBE_SIGNAL, READY
+from fsdp_guide.launcher._tree import become_subreaper, end_below
 
 __all__: list[str] = []
 
@@ -142,7 +143,7 @@ def run_rank(
     ``(fn, args, kwargs)``, unpickled after the output is redirected so that an import
     failure reaches the caller as this rank's error instead of dying unseen. ``pipes`` are
     the write ends of stdout, stderr, the result and the stack probe. The rank dies with
-    ``launcher_pid``, and so does everything it starts (``_guard.py``).
+    ``launcher_pid``, and so does everything it starts (``_tree.py``).
     """
     stdout_w, stderr_w, result_w, probe_w = pipes
     with contextlib.suppress(OSError):  # already a group leader
@@ -151,12 +152,9 @@ def run_rank(
         # A forked rank holds copies of the launcher's sockets (a kernel's five ports): let
         # them go, so they are free the moment the launcher dies. Spawned ranks inherit none.
         release_inherited_sockets({listener.fileno()} if listener is not None else set())
-    ours = [stdout_w.fileno(), stderr_w.fileno(), probe_w.fileno()]
-    guard_pid = split_off_guard(
-        launcher_pid, [*ours, *([listener.fileno()] if listener is not None else [])], result_w
-    )
-    if guard_pid is None:
-        die_with_parent(launcher_pid)  # below a guard, the fork did it first thing
+    # Before anything can start a process: whatever the rank starts stays below it.
+    subreaper = become_subreaper()
+    die_with_parent(launcher_pid)
     sys.stdout = _redirect_stream(1, stdout_w)
     sys.stderr = _redirect_stream(2, stderr_w)
     # On timeout the launcher sends SIGUSR1 first: every thread's stack then shows where
@@ -214,3 +212,7 @@ def run_rank(
         result_w.close()
         sys.stdout.flush()
         sys.stderr.flush()
+        if subreaper:
+            # What the rank left running (a server, a worker slow to exit) gets SIGTERM, a
+            # short grace, then SIGKILL; the launch ends once this process has exited.
+            end_below()

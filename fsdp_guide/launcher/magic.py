@@ -27,7 +27,8 @@ from fsdp_guide.errors import LaunchError, RankError
 from fsdp_guide.launcher._launch import launch
 from fsdp_guide.launcher._process_group import rank_device
 
-__all__ = ["DistributedMagics", "parse_magic_line", "run_cell_on_ranks"]
+# Readers use the magic (``%%distributed``), not its class: nothing here is called by name.
+__all__: list[str] = []
 
 _CELL_FILENAME = "<distributed-cell-{n}>"
 _cell_counter = 0

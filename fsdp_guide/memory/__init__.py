@@ -4,14 +4,15 @@
 that a rank holds; :func:`estimate_model_state` gives what the ZeRO formulas predict for
 a stage (`Rajbhandari et al., 2020 <https://arxiv.org/abs/1910.02054>`__),
 :func:`predict_model_state` for a strategy (the formula its engine follows);
-:func:`peak_memory` reads the device's (or process's) peak, and :func:`track_allocations`
-the most bytes one block of code holds at once (building, loading or saving a model).
+:func:`track_allocations` gives the most bytes one block of code holds at once (building,
+loading or saving a model).
 Communication is :mod:`fsdp_guide.comm`'s.
 
 **Planning.** :func:`plan` adds what a rank holds at its peak, without allocating the model:
 the model state of every rank (to the byte, as each engine lays it out), the activations
 saved for backward (traced on fake tensors), the largest transient buffer and the
-communication per step, in a :class:`Plan`; :func:`recommend` picks among plans.
+communication per step, in a :class:`Plan`. A pipeline's stages and schedule are planned
+by :func:`pipeline_stages` and :func:`pipeline_schedule`.
 
 **When to measure.** Call :func:`measure_model_state` **after** ``optimizer.step()`` and **before**
 ``optimizer.zero_grad()``. At that point every kind of state exists at once: the
@@ -50,64 +51,45 @@ None). Activations and module buffers are not counted.
 
 from __future__ import annotations
 
-from fsdp_guide.memory._accumulation import Accumulation
-from fsdp_guide.memory._allocations import Allocations, track_allocations
-from fsdp_guide.memory._measure import PeakMemory, measure_model_state, peak_memory
+from fsdp_guide.memory._accumulation import Accumulation as Accumulation
+
+# Names beside __all__ are for the package's other sub-packages (the command line, the
+# benchmarks), not documented for readers; ``X as X`` keeps them importable under mypy.
+from fsdp_guide.memory._allocations import Allocations as Allocations
+from fsdp_guide.memory._allocations import track_allocations
+from fsdp_guide.memory._measure import PeakMemory as PeakMemory
+from fsdp_guide.memory._measure import measure_model_state
+from fsdp_guide.memory._measure import peak_memory as peak_memory
 from fsdp_guide.memory._plan import plan
 from fsdp_guide.memory._plan_record import Plan
 from fsdp_guide.memory._pp import pipeline_stages
-from fsdp_guide.memory._pp_record import PipelinePlan
-from fsdp_guide.memory._predict import (
-    estimate_deepspeed_state,
-    predict_model_state,
-    state_per_rank,
-)
-from fsdp_guide.memory._recommend import recommend
-from fsdp_guide.memory._schedule import (
-    PipelineAction,
-    PipelineSchedule,
-    TimedAction,
-    pipeline_schedule,
-)
-from fsdp_guide.memory._state import ModelState
-from fsdp_guide.memory._trace import build_on_meta, traced_activation_bytes
-from fsdp_guide.memory._zero import (
-    BytesPerParam,
-    OptimizerName,
-    Precision,
-    bytes_per_param,
-    estimate_model_state,
-    format_bytes,
-    parse_size,
-)
+from fsdp_guide.memory._pp_record import PipelinePlan as PipelinePlan
+from fsdp_guide.memory._predict import estimate_deepspeed_state, predict_model_state, state_per_rank
+from fsdp_guide.memory._recommend import recommend as recommend
+from fsdp_guide.memory._schedule import PipelineAction as PipelineAction
+from fsdp_guide.memory._schedule import PipelineSchedule as PipelineSchedule
+from fsdp_guide.memory._schedule import TimedAction as TimedAction
+from fsdp_guide.memory._schedule import pipeline_schedule
+from fsdp_guide.memory._state import ModelState as ModelState
+from fsdp_guide.memory._trace import build_on_meta as build_on_meta
+from fsdp_guide.memory._trace import traced_activation_bytes as traced_activation_bytes
+from fsdp_guide.memory._zero import BytesPerParam as BytesPerParam
+from fsdp_guide.memory._zero import OptimizerName as OptimizerName
+from fsdp_guide.memory._zero import Precision as Precision
+from fsdp_guide.memory._zero import bytes_per_param as bytes_per_param
+from fsdp_guide.memory._zero import estimate_model_state, format_bytes
+from fsdp_guide.memory._zero import parse_size as parse_size
 
 __all__ = [
-    "Accumulation",
-    "Allocations",
-    "BytesPerParam",
-    "ModelState",
-    "OptimizerName",
-    "PeakMemory",
-    "PipelineAction",
-    "PipelinePlan",
-    "PipelineSchedule",
     "Plan",
-    "Precision",
-    "TimedAction",
-    "build_on_meta",
-    "bytes_per_param",
     "estimate_deepspeed_state",
     "estimate_model_state",
     "format_bytes",
     "measure_model_state",
-    "parse_size",
-    "peak_memory",
     "pipeline_schedule",
     "pipeline_stages",
     "plan",
     "predict_model_state",
-    "recommend",
     "state_per_rank",
-    "traced_activation_bytes",
     "track_allocations",
 ]

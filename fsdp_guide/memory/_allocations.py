@@ -1,7 +1,7 @@
 """Bytes a block of code allocates on one device, at its peak: :func:`track_allocations`.
 
-:func:`~fsdp_guide.memory.peak_memory` reads a whole process's peak (on CPU its resident
-set, libraries and all). Building, loading and saving a sharded model are questions about
+A process's peak (``torch.cuda.max_memory_allocated``, or on CPU the resident set, libraries
+and all) says little here. Building, loading and saving a sharded model are questions about
 one stretch of code: how many bytes did it hold at once, beyond what was there before?
 
 On CUDA that is the caching allocator's own counter (``torch.cuda.max_memory_allocated``
@@ -112,7 +112,7 @@ def track_allocations(device: torch.device | str | None = None) -> Iterator[Allo
         device: ``"cpu"`` or a CUDA device; ``None`` is the CPU.
 
     Yields:
-        An :class:`Allocations`, filled in when the block ends.
+        Its ``Allocations``, filled in when the block ends.
 
     Raises:
         ValueError: For a device that is neither the CPU nor CUDA.

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fsdp_guide.engines import GRAD_BUFFERS, PARAM_BUFFERS, detect, local_tensor
+from fsdp_guide.engines import GRAD_BUFFERS, PARAM_BUFFERS, engine_for, local_tensor
 from fsdp_guide.memory._state import ModelState
 
 
@@ -73,7 +73,7 @@ def measure_model_state(
             engine, ``None`` means the engine's own).
 
     Returns:
-        The measured :class:`~fsdp_guide.memory.ModelState`.
+        The measured ``ModelState``.
 
     Raises:
         TypeError: When ``module`` is not an ``nn.Module`` or ``optimizer`` not an optimizer.
@@ -92,12 +92,12 @@ def measure_model_state(
         DDP's gradient buckets stay allocated for the whole run, ``zero_grad()`` or not.
         With ``gradient_as_bucket_view=True`` they are the gradients' storage, counted as
         ``grads`` even while every ``.grad`` is None; without it they are a second copy of
-        the gradients, reported as ``buckets`` (see :class:`~fsdp_guide.memory.ModelState`).
+        the gradients, reported as ``buckets`` (see ``ModelState``).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     # An engine whose state the walk below would miss lists its tensors (DeepSpeed's).
-    engine = detect(module, optimizer)
+    engine = engine_for(module, optimizer)
     optimizer = engine.optimizer_of(module, optimizer)
     held = engine.state_tensors(module, optimizer)
     if held is not None:
@@ -217,7 +217,7 @@ def peak_memory(device: torch.device | str | None = None) -> PeakMemory:
             current CUDA device when CUDA is initialised, else the CPU process.
 
     Returns:
-        A :class:`PeakMemory`, labelled with what it measures.
+        A ``PeakMemory``, labelled with what it measures.
 
     Examples:
         >>> peak = peak_memory("cpu")

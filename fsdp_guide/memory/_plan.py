@@ -22,33 +22,41 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from torch import nn
 
-from fsdp_guide.comm import CommPrediction
+from fsdp_guide.comm import CommPrediction, predict_communication
 from fsdp_guide.engines import (
+    ModelShape,
     StepSizes,
     Transient,
     UnitPolicy,
     UnitRule,
+    follows_units,
     model_shape,
+    module_calls,
+    unit_names,
+    unit_summary,
 )
-from fsdp_guide.memory import _plan_steps as steps
-from fsdp_guide.memory._accumulation import plan_accumulation
+from fsdp_guide.errors import PlanError
+from fsdp_guide.memory._accumulation import gradient_payload, plan_accumulation
 from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
 from fsdp_guide.memory._pp import combine, stage_requests
+from fsdp_guide.memory._predict import state_per_rank
 from fsdp_guide.memory._request import PlanRequest, resolve
 from fsdp_guide.memory._state import ModelState
 from fsdp_guide.memory._trace import (
     BatchBuilder,
     Checkpointing,
     ModelSource,
+    traced_activation_bytes,
 )
-from fsdp_guide.memory._trainable import TrainableRule
+from fsdp_guide.memory._trainable import TrainableRule, with_frozen
 from fsdp_guide.memory._zero import OptimizerName, Precision
 
 
@@ -65,7 +73,12 @@ def unit_params(model: nn.Module, policy: UnitRule | UnitPolicy = "blocks") -> t
         >>> unit_params(model), unit_params(model, "root")
         ((17472, 17472), (42880, 42880))
     """
-    return steps.unit_sizes(model_shape(model, policy))
+    return _unit_sizes(model_shape(model, policy))
+
+
+def _unit_sizes(shape: ModelShape) -> tuple[int, int]:
+    sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
+    return max(sizes), sizes[0]
 
 
 def plan(
@@ -112,7 +125,7 @@ def plan(
         cpu_offload: Keep the model state in CPU memory (fully sharded strategies only).
         batch: Builds ``(inputs, targets)`` of a batch; known for the demo models.
         optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
-        activations: Bytes already traced by :func:`traced_activation_bytes` for this model,
+        activations: Bytes already traced by ``traced_activation_bytes`` for this model,
             batch, precision and checkpointing: the trace is skipped (planning one model
             for many strategies traces it once).
         policy: How a fully sharded strategy cuts the model into units: ``"blocks"`` (a
@@ -268,11 +281,11 @@ def plan(
 def _plan_request(request: PlanRequest) -> tuple[Plan, RankModel]:
     """The plan of one request, and the model its rank computes."""
     rank = rank_model(request)
-    shape, units = steps.units(request, rank)
-    ranks, exact = steps.model_state(request, shape, rank)
-    saved = steps.activations(request, rank)
-    communication = steps.communication(request, rank, shape)
-    sizes = steps.step_sizes(request, rank, shape, saved)
+    shape, units = _units(request, rank)
+    ranks, exact = _model_state(request, shape, rank)
+    saved = _activations(request, rank)
+    communication = _communication(request, rank, shape)
+    sizes = _step_sizes(request, rank, shape, saved)
     accumulation = plan_accumulation(request, rank, ranks, communication)
     assembled = _assemble(request, units, ranks, exact, sizes, communication, rank.all_to_all)
     plan = replace(
@@ -288,6 +301,127 @@ def _pipeline(request: PlanRequest) -> Plan:
     """A plan per pipeline rank (its stages, their engine), combined into one."""
     subs = [_plan_request(r) for r in stage_requests(request)]
     return combine(request, [p for p, _ in subs], [r.model for _, r in subs])
+
+
+def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
+    """The rank's model cut into units by the request's policy, and that cut in words for
+    an engine whose figures follow it."""
+    try:
+        names = unit_names(rank.model, request.policy)
+        shape = model_shape(rank.model, request.policy)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+    if not follows_units(request.engine):
+        return shape, ""
+    return shape, unit_summary(rank.model, names, request.policy)
+
+
+def _model_state(
+    request: PlanRequest, shape: ModelShape, rank: RankModel
+) -> tuple[tuple[ModelState, ...], bool]:
+    """Each rank's state after the optimizer step, and whether it is the engine's to the byte.
+
+    The engine lays the state out over the data-parallel ranks; the mesh is row-major, so
+    the ``tensor_parallel`` ranks of a group share their data-parallel rank's layout. Experts
+    laid out apart (expert parallelism) add the layout of the ranks holding the same ones.
+    Frozen parameters are weights only: the gradients and optimizer state are those of
+    the trainable ones.
+    """
+    args = (request.engine, shape, request.data_parallel, request.precision, request.optimizer)
+    by_dp, exact = state_per_rank(*args)
+    if request.frozen_params:
+        trainable = model_shape(rank.model, request.policy, trainable_only=True)
+        by_dp = with_frozen(by_dp, state_per_rank(request.engine, trainable, *args[2:])[0])
+    tp, dp = request.tensor_parallel, request.data_parallel
+    states = [by_dp[r // tp % dp] for r in range(request.world_size)]
+    if rank.experts is not None:
+        by_group, exact_experts = state_per_rank(
+            request.engine, rank.experts, rank.expert_ranks, request.precision, request.optimizer
+        )
+        e = request.expert_parallel
+        states = [_add(s, by_group[(r // tp) // e]) for r, s in enumerate(states)]
+        exact = exact and exact_experts
+    return tuple(states), exact
+
+
+def _add(a: ModelState, b: ModelState) -> ModelState:
+    """Two states held together, field by field."""
+    return ModelState(
+        **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a) if f.init}
+    )
+
+
+def _activations(request: PlanRequest, rank: RankModel) -> int:
+    """The bytes autograd saves in the rank's forward: given, or traced on fake tensors."""
+    if request.activations is not None:
+        return request.activations
+    if request.pipeline_parallel > 1:  # the schedule's peak, set when the plans combine
+        return 0
+    return traced_activation_bytes(
+        rank.model,
+        request.batch_size,
+        rank.seq_len,
+        precision=request.precision,
+        activation_checkpointing=request.checkpointing,
+        batch=request.batch,
+        mixed="params" if request.engine.mixed_precision == "params" else "autocast",
+    )
+
+
+def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> CommPrediction:
+    """The engine's collectives over the data-parallel ranks, and those the cuts add."""
+    predicted = predict_communication(
+        request.strategy, shape.num_params, request.data_parallel, request.comm_dtype, shape=shape
+    )
+    gradients = gradient_payload(request, rank)
+    if request.frozen_params:  # only the trainable parameters' gradients are reduced
+        predicted = replace(predicted, payload={**predicted.payload, **gradients})
+    reduce = request.engine.reduce_bytes(predicted.element_size)
+    if reduce != predicted.element_size:  # reduced in another dtype than gathered
+        predicted = replace(predicted, element_sizes=dict.fromkeys(gradients, reduce))
+    if not rank.payload:
+        return predicted
+    added = dict(rank.payload)
+    if rank.experts is not None and rank.expert_ranks > 1:  # the experts' own shards
+        experts = predict_communication(
+            request.strategy,
+            rank.experts.num_params,
+            rank.expert_ranks,
+            request.comm_dtype,
+            shape=rank.experts,
+        )
+        for kind, elements in experts.payload.items():
+            added[kind] = added.get(kind, 0) + elements
+    payload = dict(predicted.payload)
+    for kind, elements in added.items():
+        payload[kind] = payload.get(kind, 0) + elements
+    # A kind the engine issues keeps its group; one only the cuts issue takes theirs.
+    groups = {k: g for k, g in rank.groups.items() if k not in predicted.payload}
+    return replace(
+        predicted,
+        num_params=sum(p.numel() for p in request.model.parameters()),
+        world_size=request.world_size,
+        payload=payload,
+        group_sizes={**predicted.group_sizes, **groups},
+    )
+
+
+def _step_sizes(
+    request: PlanRequest, rank: RankModel, shape: ModelShape, activations: int
+) -> StepSizes:
+    """The sizes the engine's step peak reads, in bytes."""
+    per = request.per_param
+    largest, root = _unit_sizes(shape)
+    return StepSizes(
+        params=per.params * shape.num_params,
+        grads=per.grads * shape.num_params,
+        largest_unit=per.params * largest,
+        largest_unit_grads=per.grads * largest,
+        root_unit=per.params * root,
+        activations=activations,
+        calls=module_calls(rank.model),
+        blocks=len(shape.units) - 1,
+    )
 
 
 def _assemble(

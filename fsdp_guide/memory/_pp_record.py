@@ -1,4 +1,4 @@
-"""What :func:`fsdp_guide.memory.plan` says of a pipeline: :class:`PipelinePlan` (private)."""
+"""What :func:`fsdp_guide.memory.plan` says of a pipeline: ``PipelinePlan`` (private)."""
 
 from __future__ import annotations
 

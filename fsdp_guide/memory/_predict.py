@@ -4,7 +4,7 @@ The ZeRO formulas (:func:`~fsdp_guide.memory.estimate_model_state`) split ``Ψ``
 engines do not, and each engine's adapter says what every rank of it holds, in elements
 (:meth:`fsdp_guide.engines.Engine.layout`): whole tensors give uneven optimizer shards, flat
 parameters and FSDP2's row chunks are padded, DeepSpeed keeps a master copy. Here those
-elements become bytes at a precision and optimizer (:func:`~fsdp_guide.memory.bytes_per_param`).
+elements become bytes at a precision and optimizer.
 An engine that does not know its layout for a setting gets the ZeRO formula on every rank,
 marked as not exact.
 
@@ -124,12 +124,11 @@ def state_per_rank(
             compute on bf16 copies and keep the state in fp32: ``"mixed"`` is the fp32
             state there. DeepSpeed keeps bf16 parameters and gradients, and an fp32 master
             copy counted apart (:meth:`fsdp_guide.engines.Engine.mixed_layout`, with
-            Adam); with another optimizer it gets ZeRO's byte counts
-            (:func:`~fsdp_guide.memory.bytes_per_param`).
+            Adam); with another optimizer it gets ZeRO's byte counts.
         optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
 
     Returns:
-        One :class:`~fsdp_guide.memory.ModelState` per rank, and ``True`` when the
+        One ``ModelState`` per rank, and ``True`` when the
         engine's layout is known (else each rank gets the ZeRO formula).
 
     Examples:
@@ -252,7 +251,7 @@ def estimate_deepspeed_state(
         offload_param: ``zero_optimization.offload_param`` is set (stage 3).
 
     Returns:
-        The predicted :class:`~fsdp_guide.memory.ModelState`, measured by
+        The predicted ``ModelState``, measured by
         :func:`~fsdp_guide.memory.measure_model_state` on the engine.
 
     Raises:

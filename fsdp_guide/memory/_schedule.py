@@ -10,11 +10,11 @@ built on stand-in stages as torch's schedule visualizer does; for ``GPipe`` and 
 whose ``step`` is a hand-written loop, the order that loop runs (its list for drawing numbers
 the last stage's micro-batches from 1).
 
-Everything else is derived from the lists: :meth:`PipelineSchedule.timeline` places each
+Everything else is derived from the lists: ``PipelineSchedule.timeline`` places each
 action at the earliest time its rank is free and its inputs exist (the previous stage's
-forward, the next stage's backward), for given costs per kind; :meth:`PipelineSchedule.bubble`
+forward, the next stage's backward), for given costs per kind; ``PipelineSchedule.bubble``
 is each rank's idle share of that step (or of a measured one); and
-:meth:`PipelineSchedule.in_flight` says how many micro-batches each stage holds activations
+``PipelineSchedule.in_flight`` says how many micro-batches each stage holds activations
 for after each action, which is what the activation peak of a schedule is made of.
 """
 
@@ -74,7 +74,7 @@ class TimedAction(NamedTuple):
 
 
 Timeline = tuple[tuple[TimedAction, ...], ...]
-#: A step per rank, as :class:`TimedAction` or as a run records it: ``("1F0", start, end)``.
+#: A step per rank, as ``TimedAction`` or as a run records it: ``("1F0", start, end)``.
 Records = Sequence[Sequence[TimedAction | tuple[str, float, float]]]
 
 
@@ -245,7 +245,7 @@ class PipelineSchedule:
     @staticmethod
     def read(records: Records) -> Timeline:
         """Records of a step, ``(action, start, end)`` per rank with the action as torch
-        writes it (``"1F0"``), as :class:`TimedAction` s."""
+        writes it (``"1F0"``), as ``TimedAction`` s."""
         return timeline_of(records)
 
     def in_flight(self, rank: int) -> tuple[dict[int, int], ...]:
@@ -367,7 +367,7 @@ def pipeline_schedule(
 
 def timeline_of(records: Records) -> Timeline:
     """A timeline from each rank's records, ``(action, start, end)`` with the action as
-    torch writes it (``"1F0"``) or as a :class:`PipelineAction`.
+    torch writes it (``"1F0"``) or as a ``PipelineAction``.
 
     Examples:
         >>> timeline_of([[("0F0", 0.0, 1.5)]])[0][0].action

@@ -1,4 +1,4 @@
-"""The bytes of model state one rank holds: :class:`ModelState`.
+"""The bytes of model state one rank holds: ``ModelState``.
 
 Measured (:func:`fsdp_guide.memory.measure_model_state`) and predicted
 (:func:`fsdp_guide.memory.estimate_model_state`) values share this type, so they can be

@@ -129,6 +129,13 @@ class _OnRealData(TorchFunctionMode):
     every head) when it cannot look, as on fake tensors. Ops whose tensor arguments are all
     real (the batch and what is computed from it alone) are run for real, so the trace takes
     the branch the real forward takes.
+
+    The same holds for what a forward makes from nothing but sizes: transformers builds
+    ``position_ids = torch.arange(seq_len)`` when it is not given, and, without a cache
+    (``use_cache=False``), reads them to tell packed sequences apart; on fake positions it
+    cannot, and plans a materialised mask and repeated K/V heads that the real forward never
+    makes. A factory call (no tensor argument) is therefore run for real too, when its result
+    is small (up to :data:`REAL_BATCH_ELEMENTS`, known from a fake run first).
     """
 
     def __torch_function__(
@@ -149,7 +156,21 @@ class _OnRealData(TorchFunctionMode):
         if tensors and not any(isinstance(t, FakeTensor) or t.requires_grad for t in tensors):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not tensors and _small_fakes(out):  # a factory: its values depend on no fake data
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return out
+
+
+def _small_fakes(out: Any) -> bool:
+    """Whether ``out`` is made of fake tensors only, and few elements in all."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    leaves = pytree.tree_leaves(out)
+    if not leaves or not all(isinstance(t, FakeTensor) for t in leaves):
+        return False
+    return sum(int(t.numel()) for t in leaves) <= REAL_BATCH_ELEMENTS
 
 
 def _make_batch(make_batch: BatchBuilder, batch_size: int, seq_len: int) -> Any:

@@ -108,7 +108,9 @@ def estimate_model_state(
             of the shard group.
         stage: ZeRO stage: 0 to 3, ``"zero0"`` to ``"zero3"``, or any strategy name of
             :data:`fsdp_guide.catalog.STRATEGIES`.
-        precision: ``"fp32"`` or ``"mixed"``, see :func:`bytes_per_param`.
+        precision: ``"fp32"`` (4-byte parameters and gradients) or ``"mixed"`` (2-byte ones
+            and an fp32 master copy beside the fp32 optimizer state: ZeRO's 16 bytes per
+            parameter with Adam).
         optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
         full_grads: Count the whole gradient on every rank whatever the stage. This is what
             FairScale's ShardedDDP holds after the step when its reduce buckets
@@ -117,7 +119,7 @@ def estimate_model_state(
             buffer even though only the owner's shard is summed.
 
     Returns:
-        The predicted :class:`~fsdp_guide.memory.ModelState`.
+        The predicted ``ModelState``.
 
     Raises:
         ValueError: For ``num_params`` not positive and finite, ``world_size < 1``, or a

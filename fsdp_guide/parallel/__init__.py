@@ -2,9 +2,9 @@
 
 :class:`ParallelTransformer` is a small transformer whose blocks tensor parallelism can cut
 (separate ``wq``, ``wk``, ``wv``; heads inferred from the width a rank receives);
-:data:`TP_PLAN` says which layers are cut column-wise and which row-wise. :func:`mesh_2d`
-builds a ``(dp, tp)`` device mesh and :func:`parallelize` applies ``parallelize_module`` on
-``tp`` and ``fully_shard`` on ``dp``. :func:`fsdp_guide.memory.plan` with
+:data:`TP_PLAN` says which layers are cut column-wise and which row-wise. :func:`parallelize`
+applies ``parallelize_module`` on the ``tp`` dimension of a ``(dp, tp)`` device mesh and
+``fully_shard`` on ``dp``. :func:`fsdp_guide.memory.plan` with
 ``tensor_parallel=`` predicts what each rank then holds and sends; :func:`train_2d` (a
 launched rank) measures it, and :func:`reference_losses` trains the same model unsharded.
 
@@ -25,26 +25,24 @@ with FSDP2.
 
 Expert parallelism spreads a mixture of experts' experts over ranks:
 :class:`ExpertParallelMoE` takes a transformers MoE block and routes its tokens with two
-all-to-alls (:class:`Routing` says what one forward sent and received);
+all-to-alls (what one forward sent and received is in its ``routing`` record);
 :func:`train_expert_parallel` trains a transformers MoE model that way with FSDP2, and
 :func:`reference_moe_losses` trains it in one process.
 """
 
 from __future__ import annotations
 
-from fsdp_guide.parallel._apply import mesh_2d, parallelize
+from fsdp_guide.parallel._apply import mesh_2d as mesh_2d
+from fsdp_guide.parallel._apply import parallelize
 from fsdp_guide.parallel._context import train_context_parallel
-from fsdp_guide.parallel._experts import ExpertParallelMoE, Routing
+from fsdp_guide.parallel._experts import ExpertParallelMoE
+from fsdp_guide.parallel._experts import Routing as Routing
 from fsdp_guide.parallel._experts_run import reference_moe_losses, train_expert_parallel
-from fsdp_guide.parallel._model import (
-    TP_PLAN,
-    Attention,
-    FeedForward,
-    ParallelBlock,
-    ParallelConfig,
-    ParallelTransformer,
-)
-from fsdp_guide.parallel._pipeline import Pipeline, build_pipeline
+from fsdp_guide.parallel._model import TP_PLAN, ParallelBlock, ParallelConfig, ParallelTransformer
+from fsdp_guide.parallel._model import Attention as Attention
+from fsdp_guide.parallel._model import FeedForward as FeedForward
+from fsdp_guide.parallel._pipeline import Pipeline as Pipeline
+from fsdp_guide.parallel._pipeline import build_pipeline
 from fsdp_guide.parallel._pipeline_plot import plot_schedule
 from fsdp_guide.parallel._pipeline_run import train_pipeline
 from fsdp_guide.parallel._ring import ring_attention
@@ -54,16 +52,11 @@ from fsdp_guide.parallel._run import reference_losses, token_batch, train_2d
 
 __all__ = [
     "TP_PLAN",
-    "Attention",
     "ExpertParallelMoE",
-    "FeedForward",
     "ParallelBlock",
     "ParallelConfig",
     "ParallelTransformer",
-    "Pipeline",
-    "Routing",
     "build_pipeline",
-    "mesh_2d",
     "parallelize",
     "plot_ring_steps",
     "plot_schedule",

@@ -54,7 +54,7 @@ def parallelize(
     Args:
         model: A model with a ``blocks`` ``ModuleList``, ``norm`` and ``head``, on the
             rank's device.
-        mesh: A 2-D mesh with dimensions ``"dp"`` and ``"tp"`` (:func:`mesh_2d`), or
+        mesh: A 2-D mesh with dimensions ``"dp"`` and ``"tp"``, or
             anything that gives the two 1-D meshes by those keys (Lightning's
             ``ModelParallelStrategy`` names them ``"data_parallel"`` and ``"tensor_parallel"``).
         tp_plan: Layer name to ``"colwise"`` / ``"rowwise"``.

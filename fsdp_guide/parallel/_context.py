@@ -22,7 +22,7 @@ from fsdp_guide.parallel._ring_layout import Layout, shard_sequence
 
 
 class RingSelfAttention(nn.Module):
-    """An :class:`~fsdp_guide.parallel.Attention` whose attention runs round a ring of ranks.
+    """An ``Attention`` whose attention runs round a ring of ranks.
 
     It keeps the layers of the attention it replaces (``wq``, ``wk``, ``wv``, ``wo``: the same
     parameters, under the same names) and computes causal :func:`ring_attention` over
@@ -132,7 +132,7 @@ def train_context_parallel(
 
     Returns:
         ``losses`` (this rank's, per step), ``state`` (a
-        :class:`~fsdp_guide.memory.ModelState`), ``activations`` (bytes), ``collectives``
+        ``ModelState``), ``activations`` (bytes), ``collectives``
         (payload bytes per kind, ``send`` and ``recv`` included), ``sent`` (the elements of
         the ring's messages) and ``dp_rank``, ``cp_rank``, ``tp_rank``.
     """

@@ -114,7 +114,7 @@ def train_expert_parallel(
     Returns:
         ``losses``, ``state`` (after the step), ``activations`` (bytes saved by the forward),
         ``collectives`` (payload elements per kind), ``routing`` (each layer's
-        :class:`~fsdp_guide.parallel.Routing` of the last step), ``expert_params`` (the
+        ``Routing`` of the last step), ``expert_params`` (the
         experts' elements this rank holds, its shards of them) and ``ep_rank``.
     """
     from torch.distributed.device_mesh import init_device_mesh

@@ -131,7 +131,7 @@ class OutputHead(nn.Module):
 
 
 class ParallelTransformer(nn.Module):
-    """Token and position embeddings, :class:`ParallelBlock` layers, a norm and a head.
+    """Token and position embeddings, transformer blocks, a norm and a head.
 
     Examples:
         >>> model = ParallelTransformer(ParallelConfig(n_layers=1))

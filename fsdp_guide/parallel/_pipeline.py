@@ -4,7 +4,7 @@
 :func:`build_pipeline` cuts the model as the planner does
 (:func:`fsdp_guide.memory.pipeline_stages`), keeps the stages the schedule gives this rank,
 wraps each in torch's ``PipelineStage`` and builds torch's schedule; with a data-parallel
-mesh it first applies FSDP2 to each stage as torchtitan does. :meth:`Pipeline.step` runs one
+mesh it first applies FSDP2 to each stage as torchtitan does. ``Pipeline.step`` runs one
 step and records, per action, when it ran and, on request, the bytes autograd holds.
 """
 
@@ -216,10 +216,10 @@ def build_pipeline(
         device: This rank's device (:func:`fsdp_guide.launcher.rank_device` by default).
         loss_fn: ``loss_fn(output, target)`` on the last stage; by default cross-entropy for
             integer targets, mean squared error for floating ones
-            (:func:`fsdp_guide.outputs.output_loss`).
+            (``output_loss``, what a model's output and the targets give as its loss).
 
     Returns:
-        A :class:`Pipeline`.
+        A ``Pipeline``.
 
     Raises:
         PlanError: An unknown schedule, more stages than layers, or micro-batches the

@@ -35,7 +35,7 @@ def plot_schedule(
 
     Args:
         step: Per rank, its actions with their times: the simulated
-            :meth:`fsdp_guide.memory.PipelineSchedule.timeline`, or the ``(action, start,
+            ``PipelineSchedule.timeline``, or the ``(action, start,
             end)`` records of a run (:func:`~fsdp_guide.parallel.train_pipeline`'s
             ``timeline``, one list per rank), in seconds.
         ax: The matplotlib axes to draw on; a new figure by default.

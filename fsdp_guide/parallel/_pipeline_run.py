@@ -73,7 +73,7 @@ def train_pipeline(
 
     Returns:
         ``losses`` (the mean loss of each step on the ranks holding the last stage, else
-        empty), ``state`` (a :class:`~fsdp_guide.memory.ModelState`), ``activations``
+        empty), ``state`` (a ``ModelState``), ``activations``
         (bytes), ``collectives`` (payload bytes per kind), ``timeline`` (the last step's
         ``(action, start, end)``), ``timelines`` (every step's, the first one setting the
         pipeline up), ``grads`` (with ``dp == 1``: the last step's gradient of

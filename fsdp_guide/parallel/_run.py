@@ -74,7 +74,7 @@ def train_2d(
 
     Returns:
         ``losses`` (this rank's, per step), ``state`` (a
-        :class:`~fsdp_guide.memory.ModelState`), ``activations`` (bytes), ``collectives``
+        ``ModelState``), ``activations`` (bytes), ``collectives``
         (payload bytes per kind) and ``dp_rank``, ``tp_rank``.
     """
     from fsdp_guide.comm import count_collectives

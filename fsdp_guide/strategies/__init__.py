@@ -2,7 +2,7 @@
 
 Importing this package imports Lightning and FairScale (the strategies subclass Lightning's
 ``DDPStrategy``), so ``import fsdp_guide`` does not import it. On import it registers the
-strategy names in Lightning's registry (see :mod:`fsdp_guide.strategies.registry`):
+strategy names in Lightning's registry (:data:`STRATEGY_NAMES`):
 
 - ``"ddp_sharded"``: :class:`DDPShardedStrategy` (OSS + ShardedDDP), ranks re-run the script;
   in a notebook it starts them with fork.
@@ -24,11 +24,15 @@ to run on CPU ranks, a teaching aid for machines without a GPU.
 from __future__ import annotations
 
 from fsdp_guide.strategies._fsdp_on_cpu import CPUFSDPStrategy
-from fsdp_guide.strategies._precision import ShardedMixedPrecision, ShardedPrecision
-from fsdp_guide.strategies.fully_sharded import DDPFullyShardedStrategy
-from fsdp_guide.strategies.registry import STRATEGY_NAMES, register_fairscale_strategies
-from fsdp_guide.strategies.sharded import DDPShardedStrategy
-from fsdp_guide.strategies.sharded_spawn import DDPSpawnShardedStrategy
+from fsdp_guide.strategies._fully_sharded import DDPFullyShardedStrategy
+from fsdp_guide.strategies._precision import ShardedMixedPrecision
+from fsdp_guide.strategies._precision import ShardedPrecision as ShardedPrecision
+from fsdp_guide.strategies._registry import STRATEGY_NAMES
+from fsdp_guide.strategies._registry import (
+    register_fairscale_strategies as register_fairscale_strategies,
+)
+from fsdp_guide.strategies._sharded import DDPShardedStrategy
+from fsdp_guide.strategies._sharded_spawn import DDPSpawnShardedStrategy
 
 __all__ = [
     "STRATEGY_NAMES",
@@ -37,8 +41,6 @@ __all__ = [
     "DDPShardedStrategy",
     "DDPSpawnShardedStrategy",
     "ShardedMixedPrecision",
-    "ShardedPrecision",
-    "register_fairscale_strategies",
 ]
 
 register_fairscale_strategies()

@@ -70,7 +70,7 @@ class ShardedMixedPrecision(MixedPrecision):
     Lightning 1.x's ``ShardedNativeMixedPrecisionPlugin`` also took ``16``, ``"bf16"`` and
     ``32``; they are accepted as ``"16-mixed"``, ``"bf16-mixed"`` and ``"32-true"``. At
     ``"32-true"`` nothing is cast and there is no scaler: full precision, with the
-    shard-aware clipping (what :class:`ShardedPrecision` does).
+    shard-aware clipping (what ``ShardedPrecision`` does).
 
     Args:
         precision: ``"16-mixed"`` (CUDA only, scaled with ``ShardedGradScaler``),

@@ -193,7 +193,7 @@ def record_step(
             ``chrome://tracing``); ``None`` for none.
 
     Returns:
-        The :class:`StepTimeline`.
+        The step's timeline (a ``StepTimeline``).
 
     Raises:
         ValueError: For a category of ``state_before`` outside ``params``, ``grads``,

@@ -212,7 +212,7 @@ def record_units(
         backward: Runs the backward pass.
 
     Returns:
-        The :class:`UnitTimeline` of this rank.
+        The ``UnitTimeline`` of this rank.
 
     Raises:
         ValueError: For a model with no FSDP2 unit.

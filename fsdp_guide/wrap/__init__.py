@@ -4,8 +4,8 @@ How a model is cut into FSDP units decides peak memory and how communication ove
 compute; activation checkpointing trades recomputation for activation memory. Import
 everything from here:
 
-* policies: :class:`SizePolicy`, :class:`LayerPolicy`, their union ``a | b`` /
-  :func:`any_of`, usable with FairScale, FSDP1 and FSDP2;
+* policies: :class:`SizePolicy`, :class:`LayerPolicy`, their union ``a | b``, usable with
+  FairScale, FSDP1 and FSDP2, and :class:`WrapPolicy` to write one of your own;
 * sharding: :func:`shard` with a policy, and manual wrapping with :func:`wrapping` and
   :func:`wrap`, for the FSDP engines (each engine's adapter, a
   :class:`fsdp_guide.engines.UnitEngine`, says how);
@@ -44,49 +44,30 @@ from __future__ import annotations
 from fsdp_guide.errors import EngineUnavailableError as EngineUnavailableError
 from fsdp_guide.errors import MetaInitError as MetaInitError
 from fsdp_guide.errors import OptimizerMismatchError as OptimizerMismatchError
-from fsdp_guide.wrap._activations import (
-    CheckpointImplementation,
-    checkpoint_layers,
-    checkpointed_names,
-    saved_activation_bytes,
-)
+from fsdp_guide.wrap._activations import CheckpointImplementation as CheckpointImplementation
+from fsdp_guide.wrap._activations import checkpoint_layers, saved_activation_bytes
+from fsdp_guide.wrap._activations import checkpointed_names as checkpointed_names
 from fsdp_guide.wrap._build import build_sharded, uninitialisable_modules
-from fsdp_guide.wrap._inspect import (
-    ModuleNode,
-    describe,
-    is_checkpointed,
-    module_tree,
-    sharded_units,
-)
+from fsdp_guide.wrap._inspect import ModuleNode as ModuleNode
+from fsdp_guide.wrap._inspect import describe, sharded_units
+from fsdp_guide.wrap._inspect import is_checkpointed as is_checkpointed
+from fsdp_guide.wrap._inspect import module_tree as module_tree
 from fsdp_guide.wrap._manual import wrap, wrapping
 from fsdp_guide.wrap._optimizer_check import check_optimizer
-from fsdp_guide.wrap._policy import (
-    AnyOf,
-    LayerPolicy,
-    SizePolicy,
-    WrapPolicy,
-    any_of,
-    check_layer_classes,
-    selected_modules,
-)
+from fsdp_guide.wrap._policy import AnyOf as AnyOf
+from fsdp_guide.wrap._policy import LayerPolicy, SizePolicy, WrapPolicy, selected_modules
+from fsdp_guide.wrap._policy import any_of as any_of
+from fsdp_guide.wrap._policy import check_layer_classes as check_layer_classes
 from fsdp_guide.wrap._shard import shard
 
 __all__ = [
-    "AnyOf",
-    "CheckpointImplementation",
     "LayerPolicy",
-    "ModuleNode",
     "SizePolicy",
     "WrapPolicy",
-    "any_of",
     "build_sharded",
-    "check_layer_classes",
     "check_optimizer",
     "checkpoint_layers",
-    "checkpointed_names",
     "describe",
-    "is_checkpointed",
-    "module_tree",
     "saved_activation_bytes",
     "selected_modules",
     "shard",

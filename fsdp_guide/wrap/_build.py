@@ -115,8 +115,8 @@ def build_sharded(
         The model, sharded in place; build the optimizer from it afterwards.
 
     Raises:
-        MetaInitError: Before anything is allocated: tied weights, or (``init="reset"``) a
-            module with tensors of its own and no ``reset_parameters()``.
+        ValueError: ``MetaInitError``: Before anything is allocated: tied weights, or
+            (``init="reset"``) a module with tensors of its own and no ``reset_parameters()``.
         ValueError: ``init`` is neither ``"reset"`` nor ``"empty"``.
         RuntimeError: No process group is initialised.
 
@@ -129,7 +129,7 @@ def build_sharded(
         On one rank in this process: the weights equal the plain model's.
 
         >>> import torch.distributed as dist
-        >>> from fsdp_guide import dist_init, find_free_port
+        >>> from fsdp_guide.launcher import dist_init, find_free_port
         >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
         >>> from fsdp_guide.wrap import LayerPolicy
         >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())

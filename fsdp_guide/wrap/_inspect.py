@@ -41,17 +41,6 @@ class ModuleNode:
     checkpointed: bool
 
 
-def unit_engine(module: nn.Module) -> str | None:
-    """The engine that made ``module`` an FSDP unit, or ``None``.
-
-    Examples:
-        >>> unit_engine(nn.Linear(2, 2)) is None
-        True
-    """
-    found = unit_of(module)
-    return found[0] if found is not None else None
-
-
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether activation checkpointing (PyTorch's or FairScale's) wraps ``module``.
 

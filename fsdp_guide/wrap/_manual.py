@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_guide.engines import UnitEngine, get_unit_engine
+from fsdp_guide.engines import UnitEngine, unit_engine
 from fsdp_guide.wrap._shard import check_process_group
 
 
@@ -52,7 +52,7 @@ def wrapping(engine: str = "fsdp2", **engine_options: Any) -> Iterator[None]:
         On a single rank, in this process:
 
         >>> import torch.distributed as dist
-        >>> from fsdp_guide import dist_init, find_free_port
+        >>> from fsdp_guide.launcher import dist_init, find_free_port
         >>> from fsdp_guide.wrap import describe
         >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -66,7 +66,7 @@ def wrapping(engine: str = "fsdp2", **engine_options: Any) -> Iterator[None]:
           2: Linear
         >>> dist.destroy_process_group()
     """
-    adapter = get_unit_engine(engine)
+    adapter = unit_engine(engine)
     if _ACTIVE.get() is not None:
         raise RuntimeError("wrapping() blocks do not nest; leave the active block first")
     check_process_group("wrapping()")

@@ -140,10 +140,10 @@ def watch_replaced_parameters(before: list[nn.Parameter], model: nn.Module, engi
 
 
 def _in_place(engine: str) -> bool:
-    from fsdp_guide.engines import UnitEngine, get_engine
+    from fsdp_guide.engines import UnitEngine, engine_class
 
     try:
-        adapter = get_engine(engine)
+        adapter = engine_class(engine)()
     except ValueError:
         return False
     return isinstance(adapter, UnitEngine) and adapter.shards_in_place

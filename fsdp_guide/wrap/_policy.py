@@ -32,7 +32,7 @@ class WrapPolicy(ABC):
     """A rule that picks the modules of a model that become FSDP units.
 
     Subclasses decide :meth:`should_recurse` and :meth:`should_wrap`; ``a | b`` is the union
-    (:class:`AnyOf`).
+    (``AnyOf``).
     """
 
     @abstractmethod

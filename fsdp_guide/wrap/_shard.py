@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_guide.engines import get_unit_engine, unit_of
+from fsdp_guide.engines import unit_engine, unit_of
 from fsdp_guide.wrap._optimizer_check import watch_replaced_parameters
 from fsdp_guide.wrap._policy import WrapPolicy
 
@@ -68,7 +68,7 @@ def shard(
         **engine_options: Passed to the engine's wrapper (e.g. ``sharding_strategy`` for
             FSDP1, ``reshard_after_forward`` or ``mesh`` for FSDP2, ``mixed_precision`` for
             FairScale); FSDP2 also takes ``forward_prefetch`` and ``backward_prefetch``, how
-            many blocks each unit gathers ahead (:class:`~fsdp_guide.engines.FSDP2`).
+            many blocks each unit gathers ahead.
 
     Returns:
         The sharded model, a new wrapper for ``"fsdp1"`` and ``"fairscale_fsdp"`` and
@@ -94,7 +94,7 @@ def shard(
         On ranks (here a single one, in this process), each Block becomes a unit:
 
         >>> import torch.distributed as dist
-        >>> from fsdp_guide import dist_init, find_free_port
+        >>> from fsdp_guide.launcher import dist_init, find_free_port
         >>> from fsdp_guide.models import Block, TinyTransformer, TransformerConfig
         >>> from fsdp_guide.wrap import LayerPolicy, sharded_units
         >>> dist_init(0, 1, backend="gloo", master_port=find_free_port())
@@ -104,7 +104,7 @@ def shard(
         {'': ('fsdp2', 17472), 'blocks.0': ('fsdp2', 12704), 'blocks.1': ('fsdp2', 12704)}
         >>> dist.destroy_process_group()
     """
-    adapter = get_unit_engine(engine)
+    adapter = unit_engine(engine)
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if policy is not None and not isinstance(policy, WrapPolicy):

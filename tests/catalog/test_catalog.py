@@ -144,13 +144,13 @@ def test_checkpoint_names_are_the_catalog_engines() -> None:
 
 
 def _detected_engines(rank: int, world_size: int, names: list[str]) -> dict[str, str]:
-    from fsdp_guide.engines import detect, wrap_for_strategy
+    from fsdp_guide.engines import engine_for, wrap_for_strategy
     from fsdp_guide.models import build_model
 
     detected = {}
     for name in names:
         model, optimizer = wrap_for_strategy(build_model("mlp"), name, world_size)
-        detected[name] = detect(model, optimizer).name
+        detected[name] = engine_for(model, optimizer).name
     return detected
 
 

@@ -1,5 +1,6 @@
-"""``save_async``: the state at the call is what loads, training goes on meanwhile, and a rank
-killed while the background thread writes leaves the previous checkpoint loadable."""
+"""``save(..., blocking=False)``: the state at the call is what loads, training goes on
+meanwhile, and a rank killed while the background thread writes leaves the previous
+checkpoint loadable."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from practice_targets import async_save_then_train, tiny
 from torch import nn
 
-from fsdp_guide.checkpoint import load, save_async
+from fsdp_guide.checkpoint import load, save
 from fsdp_guide.errors import RankError
 from fsdp_guide.launcher import launch
 
@@ -70,7 +71,17 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(
     assert extra == {"step": 1} and _equal(state, runs[0]["at_call"])
 
 
-def test_engines_without_dcp_shards_are_refused_before_writing(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="kind='sharded' is for strategies that shard"):
-        save_async(tmp_path / "ckpt", nn.Linear(2, 2))
+@pytest.mark.parametrize(
+    ("kind", "blocking", "match"),
+    [
+        ("sharded", False, "kind='sharded' is for strategies that shard"),
+        ("full", False, "blocking=False writes each rank's shards in the background"),
+        ("sharded", "no", "blocking must be True or False"),
+    ],
+)
+def test_bad_background_saves_are_refused_before_writing(
+    tmp_path: Path, kind: Any, blocking: Any, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        save(tmp_path / "ckpt", nn.Linear(2, 2), kind=kind, blocking=blocking)
     assert not (tmp_path / "ckpt").exists()

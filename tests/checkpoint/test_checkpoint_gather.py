@@ -11,7 +11,7 @@ from checkpoint_helpers import build, clone, count_tensors, differences, snapsho
 
 from fsdp_guide import checkpoint, launch
 from fsdp_guide.checkpoint._state import get_full_state
-from fsdp_guide.engines import detect
+from fsdp_guide.engines import engine_for
 
 
 def save_then_read_optimizer_on_each_rank(
@@ -57,7 +57,7 @@ def gather_on_each_rank(rank: int, world_size: int, strategy: str) -> Any:
     model, optimizer = build(strategy, seed=0)
     train(model, optimizer, start=0, steps=1)
     reference = snapshot(model, optimizer, strategy)  # DCP's full state, on every rank
-    model_state, optim_state = detect(model, optimizer).gather_to_rank0(model, optimizer)  # type: ignore[attr-defined]
+    model_state, optim_state = engine_for(model, optimizer).gather_to_rank0(model, optimizer)  # type: ignore[attr-defined]
     gathered = {"model": clone(model_state), "optimizer": clone(optim_state)}
     after = train(model, optimizer, start=1, steps=1)  # the gather left training intact
     return {

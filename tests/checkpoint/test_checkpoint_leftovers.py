@@ -133,7 +133,7 @@ def test_stale_data_directories_go_on_the_next_save_not_on_a_load(tmp_path: Path
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_guide import dist_init, find_free_port
+    from fsdp_guide.launcher import dist_init, find_free_port
 
     dist_init(0, 1, master_port=find_free_port())
     try:

@@ -589,20 +589,25 @@ def test_api_pages_follow_each_facades_all_without_docs_edits(
 
 
 @pytest.mark.parametrize(
-    ("target", "module", "external"),
+    ("target", "module", "cls", "external"),
     [
-        ("linecache", None, True),  # a standard-library module
-        ("Ellipsis", None, True),  # a builtin
-        ("Tensor", "fsdp_guide.models", True),  # imported there from torch
-        ("RankError", "fsdp_guide.models", False),  # ours, but not reachable from there
-        ("RankErorr", "fsdp_guide.launcher", False),  # a typo must stay a broken reference
-        ("fsdp_guide.nothing", None, False),
+        ("linecache", None, None, True),  # a standard-library module
+        ("Ellipsis", None, None, True),  # a builtin
+        ("Tensor", "fsdp_guide.models", None, True),  # imported there from torch
+        ("RankError", "fsdp_guide.models", None, False),  # ours, but not reachable from there
+        ("RankErorr", "fsdp_guide.launcher", None, False),  # a typo stays a broken reference
+        ("fsdp_guide.nothing", None, None, False),
+        # A class documented on its façade: its signature's names, where it is defined.
+        ("Precision", "fsdp_guide.strategies", "DDPShardedStrategy", True),  # Lightning's
+        ("StartMethod", "fsdp_guide.strategies", "DDPShardedStrategy", True),  # private
+        ("StartMethdo", "fsdp_guide.strategies", "DDPShardedStrategy", False),  # a typo
+        ("RankPlan", "fsdp_guide.launcher", None, False),  # private, named from a façade
     ],
 )
-def test_only_third_party_names_are_kept_quiet(
-    target: str, module: str | None, external: bool
+def test_only_third_party_and_private_names_are_kept_quiet(
+    target: str, module: str | None, cls: str | None, external: bool
 ) -> None:
-    assert _extension("fsdp_refs").is_external_name(target, module) is external
+    assert _extension("fsdp_refs").is_external_name(target, module, cls) is external
 
 
 # -- lessons' links into docs/ and their "API used" section, on the site's copy -------------

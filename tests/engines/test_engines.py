@@ -17,9 +17,8 @@ from fsdp_guide.engines import (
     Engine,
     Plain,
     ShardedDDP,
-    detect,
+    engine_class,
     engine_for,
-    get_engine,
 )
 
 SHAPES = [(10, 3), (7,), (5, 5), (1,)]
@@ -55,12 +54,12 @@ def test_bad_settings_are_refused_naming_the_fix(
     engine: str, settings: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        get_engine(engine, **settings)
+        engine_class(engine)(**settings)
 
 
 def test_an_unknown_setting_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="reduce_buffer"):
-        get_engine("ddp", reduce_buffer_size=0)
+        engine_class("ddp")(reduce_buffer_size=0)
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
@@ -107,6 +106,26 @@ def test_deepspeed_knows_its_layout_for_fp32_adam_only() -> None:
 
 
 def test_a_plain_module_is_no_engine() -> None:
-    engine = detect(nn.Linear(2, 2))
+    engine = engine_for(nn.Linear(2, 2))
     assert isinstance(engine, Plain) and isinstance(engine, Engine)
     assert engine.collectives(10, 1).payload == {}
+
+
+@pytest.mark.parametrize(
+    ("source", "optimizer", "error"),
+    [
+        ("ddp", object(), "optimizer with a model only"),
+        (3, None, "a strategy name, a StrategySpec or a model, got int"),
+    ],
+)
+def test_engine_for_refuses_what_is_neither_a_strategy_nor_a_model(
+    source: Any, optimizer: Any, error: str
+) -> None:
+    with pytest.raises(TypeError, match=error):
+        engine_for(source, optimizer)
+
+
+def test_engine_for_takes_a_catalog_row_as_its_name() -> None:
+    from fsdp_guide.catalog import get_strategy
+
+    assert engine_for(get_strategy("fsdp_grad_op")) == engine_for("fsdp_grad_op")

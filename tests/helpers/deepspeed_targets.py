@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_guide.deepspeed import backward_and_step
-from fsdp_guide.engines import detect, wrap_for_strategy
+from fsdp_guide.engines import engine_for, wrap_for_strategy
 from fsdp_guide.models import build_model, loss_fn, shard_batch, synthetic_batch
 
 BATCH = 8
@@ -101,7 +101,7 @@ def checkpoint_round_trip(rank: int, world_size: int, name: str, root: str) -> d
         "uninterrupted": uninterrupted,
         "resumed": resumed,
         "weights": weights if rank == 0 else None,
-        "detected": detect(module, optimizer).name,
+        "detected": engine_for(module, optimizer).name,
     }
 
 

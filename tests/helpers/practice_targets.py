@@ -244,7 +244,7 @@ def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def async_save_then_train(
     rank: int, world_size: int, path: str, steps_before: int, kill: bool = False
 ) -> dict[str, Any]:
-    """Train ``steps_before`` steps, start ``save_async``, train one more step, then wait.
+    """Train ``steps_before`` steps, start a background save, train one more step, then wait.
 
     With ``kill``, rank 1 is killed (SIGKILL) as soon as the save has returned, while the
     background thread writes: the save never finishes.
@@ -252,7 +252,7 @@ def async_save_then_train(
     import os
     import signal
 
-    from fsdp_guide.checkpoint import save_async
+    from fsdp_guide.checkpoint import save
 
     model, optimizer = _fsdp2(tiny())
     for step in range(steps_before):
@@ -260,7 +260,9 @@ def async_save_then_train(
         optimizer.step()
         optimizer.zero_grad()
     at_call = _full_state(model)
-    pending = save_async(path, model, optimizer, extra={"step": steps_before})
+    pending = save(
+        path, model, optimizer, kind="sharded", extra={"step": steps_before}, blocking=False
+    )
     if kill and rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     _loss(model, _batch(rank, steps_before)).backward()

@@ -14,8 +14,8 @@ import time
 import collective_targets as targets
 import pytest
 
-from fsdp_guide import LaunchError, RankError, launch
-from fsdp_guide.errors import CollectiveCallError, CollectiveMismatchError
+from fsdp_guide import RankError, launch
+from fsdp_guide.errors import CollectiveCallError, CollectiveMismatchError, LaunchError
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import fsdp_guide
-from fsdp_guide import LaunchError, LaunchTimeout, RankError, launch
+from fsdp_guide import RankError, launch
+from fsdp_guide.errors import LaunchError, LaunchTimeout
 
 METHODS = ["fork", "spawn"]
 pytestmark = pytest.mark.timeout(120)
@@ -428,7 +429,7 @@ def test_under_torchrun_an_exception_propagates_unchanged(monkeypatch: pytest.Mo
 
 def test_dist_init_rejects_a_bad_rank() -> None:
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\)"):
-        fsdp_guide.dist_init(2, 2)
+        fsdp_guide.launcher.dist_init(2, 2)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

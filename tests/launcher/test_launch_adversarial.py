@@ -21,7 +21,8 @@ import launch_targets as targets
 import psutil
 import pytest
 
-from fsdp_guide import LaunchTimeout, RankError, launch
+from fsdp_guide import RankError, launch
+from fsdp_guide.errors import LaunchTimeout
 from fsdp_guide.launcher import _output, _reports, _stop, _supervisor
 
 pytestmark = pytest.mark.timeout(120)

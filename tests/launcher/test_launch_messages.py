@@ -10,7 +10,8 @@ from pathlib import Path
 import launch_targets as targets
 import pytest
 
-from fsdp_guide import LaunchTimeout, RankError, launch
+from fsdp_guide import RankError, launch
+from fsdp_guide.errors import LaunchTimeout
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,8 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 import fsdp_guide
-from fsdp_guide import LaunchTimeout, RankError
+from fsdp_guide import RankError
+from fsdp_guide.errors import LaunchTimeout
 from fsdp_guide.launcher.magic import parse_magic_line
 
 pytestmark = pytest.mark.timeout(120)
@@ -172,7 +173,7 @@ def test_a_cell_with_a_syntax_error_fails_before_any_rank_starts(
 def test_an_optimizer_built_before_fsdp2_shard_fails_the_cell_with_the_fix(shell: Any) -> None:
     # Written from the docs alone: the optimizer first, then `model = shard(model, ...)`.
     shell.run_cell(
-        "import torch\nfrom fsdp_guide import shard\n"
+        "import torch\nfrom fsdp_guide.wrap import shard\n"
         "from fsdp_guide.models import TinyTransformer, TransformerConfig\n"
         "config = TransformerConfig(vocab_size=64, dim=32, n_heads=2, "
         "n_layers=2, seq_len=16)"

@@ -92,7 +92,7 @@ def test_nothing_below_the_ranks_survives_a_sigkilled_launching_script(
     below: dict[str, int] = {}
     try:
         _wait_for_helpers(tmp_path, 2, 120)
-        # Every descendant: the ranks (and their guards), helpers, the daemon, their own
+        # Every descendant: the ranks, helpers, the daemon, their own
         # children, and the launcher's multiprocessing helpers.
         launcher = psutil.Process(parent.pid)
         below = _helper_pids(tmp_path)
@@ -110,8 +110,8 @@ def test_nothing_below_the_ranks_survives_a_sigkilled_launching_script(
 
 @pytest.mark.parametrize("how", ["sigkill", "raise"])
 def test_a_failing_rank_leaves_nothing_it_started(tmp_path: Path, how: str) -> None:
-    # The forked worker holds the rank's pipes: a killed rank used to go unnoticed until
-    # the timeout. Its guard reports it at once.
+    # The forked worker holds the rank's pipes and sentinel: a killed rank used to go
+    # unnoticed until the timeout. Its pidfd tells the launcher at once.
     t0 = time.monotonic()
     try:
         with pytest.raises(RankError, match="killed by SIGKILL" if how == "sigkill" else "raise"):
@@ -132,6 +132,35 @@ def test_a_failing_rank_leaves_nothing_it_started(tmp_path: Path, how: str) -> N
         _kill(_helper_pids(tmp_path).values())
 
 
+def test_the_launcher_ends_what_a_killed_rank_left_and_nothing_of_its_own(
+    tmp_path: Path,
+) -> None:
+    # A rank killed outright hands its processes to the launcher, a child subreaper while
+    # ranks run; the launcher's own children, even in a session of their own, are not
+    # touched, and it is no subreaper once launch has returned.
+    from fsdp_guide.launcher import _tree
+
+    own = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        with pytest.raises(RankError, match="killed by SIGKILL"):
+            launch(
+                tree_targets.helpers_then_die,
+                2,
+                args=(str(tmp_path), "sigkill"),
+                backend="gloo",
+                start_method="fork",
+                timeout=120,
+            )
+        rank1 = {k: p for k, p in _helper_pids(tmp_path).items() if k.startswith("rank1.")}
+        assert len(rank1) == 6 and _survivors(rank1, 1.0) == {}
+        assert own.poll() is None, "launch ended a process it did not start"
+        assert not _tree._is_subreaper()
+    finally:
+        own.kill()
+        own.wait()
+        _kill(_helper_pids(tmp_path).values())
+
+
 def test_a_rank_that_returns_leaves_nothing_it_started(tmp_path: Path) -> None:
     try:
         assert launch(
@@ -149,7 +178,7 @@ def test_a_rank_that_returns_leaves_nothing_it_started(tmp_path: Path) -> None:
         _kill(_helper_pids(tmp_path).values())
 
 
-def test_the_rank_keeps_its_exit_status_below_its_guard() -> None:
+def test_a_rank_killed_by_a_signal_is_reported_with_it() -> None:
     import launch_targets
 
     with pytest.raises(RankError, match="rank 1 was killed by SIGTERM"):
@@ -163,16 +192,16 @@ def test_the_rank_keeps_its_exit_status_below_its_guard() -> None:
         )
 
 
-def test_without_a_guard_the_rank_leads_its_group_and_failures_still_stop_it(
+def test_without_a_subreaper_the_rank_leads_its_group_and_failures_still_stop_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Off Linux (no child subreaper) a forked rank runs without a guard: launching, results
-    # and failures behave the same, and what stays in the group of a rank that exited is
-    # stopped with the others. (No forked worker here: holding the rank's descriptors, it
-    # would hide the rank's exit until the timeout, which only the guard avoids.)
-    from fsdp_guide.launcher import _guard
+    # Off Linux (no child subreaper): launching, results and failures behave the same, and
+    # what stays in the group of a rank that exited is stopped with the others. (No forked
+    # worker here: off Linux, holding the rank's descriptors, it would hide the rank's exit
+    # until the timeout; on Linux the rank's pidfd tells it at once.)
+    from fsdp_guide.launcher import _tree
 
-    monkeypatch.setattr(_guard, "prctl", lambda option, value: False)
+    monkeypatch.setattr(_tree, "prctl", lambda option, value: False)
     import launch_targets
 
     assert launch(launch_targets.times_ten, 2, backend="gloo", start_method="fork") == [0, 10]

@@ -51,3 +51,47 @@ def test_shard_batch_puts_inputs_and_targets_on_the_device(
     assert x.shape[0] == y.shape[0] == 4
     if device != torch.device("meta"):
         assert torch.equal(x, batch[0][4:]) and torch.equal(y, batch[1][4:])
+
+
+@pytest.mark.parametrize(
+    ("value", "gpus", "expected"),
+    [
+        ("nccl:1", 1, RankPlan(world_size=1, backend="nccl", gpus=1)),
+        ("gloo:4", 1, RankPlan(world_size=4, backend="gloo", gpus=1)),
+        ("gloo:1", 0, RankPlan(world_size=1, backend="gloo", gpus=0)),
+        (" nccl:2 ", 8, RankPlan(world_size=2, backend="nccl", gpus=8)),
+    ],
+)
+def test_the_environment_overrides_the_plan(
+    monkeypatch: pytest.MonkeyPatch, value: str, gpus: int, expected: RankPlan
+) -> None:
+    monkeypatch.setattr(_plan, "_gpu_count", lambda: gpus)
+    monkeypatch.setenv("FSDP_GUIDE_RANKS", value)
+    assert plan_ranks() == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "gpus", "message"),
+    [
+        ("nccl", 1, "write BACKEND:N"),
+        ("mpi:2", 1, "write BACKEND:N"),
+        ("gloo:0", 0, "write BACKEND:N"),
+        ("gloo:two", 0, "write BACKEND:N"),
+        ("nccl:2", 1, "asks for 2 NCCL ranks but 1 GPUs are visible"),
+        ("nccl:1", 0, "asks for 1 NCCL ranks but 0 GPUs"),
+    ],
+)
+def test_a_bad_override_names_the_fix(
+    monkeypatch: pytest.MonkeyPatch, value: str, gpus: int, message: str
+) -> None:
+    monkeypatch.setattr(_plan, "_gpu_count", lambda: gpus)
+    monkeypatch.setenv("FSDP_GUIDE_RANKS", value)
+    with pytest.raises(ValueError, match=message):
+        plan_ranks()
+
+
+def test_one_nccl_rank_reads_well() -> None:
+    assert (
+        str(RankPlan(world_size=1, backend="nccl", gpus=1))
+        == "1 rank on one GPU, NCCL (1 GPU visible)"
+    )

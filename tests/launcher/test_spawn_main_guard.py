@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(180)
 
-_HEAD = "from fsdp_guide import launch\nfrom fsdp_guide.examples import rank_and_sum\n\n"
+_HEAD = "from fsdp_guide import launch\nfrom fsdp_guide._examples import rank_and_sum\n\n"
 _UNGUARDED = {
     "top-level": ("print(launch(rank_and_sum, 2, backend='gloo'))\n", 4),
     "main-called-at-top-level": (

@@ -31,7 +31,7 @@ def test_model_names_are_the_literal_type() -> None:
     [
         check_world_size,
         lambda world_size: fsdp_guide.launch(print, world_size),
-        lambda world_size: fsdp_guide.dist_init(0, world_size),
+        lambda world_size: fsdp_guide.launcher.dist_init(0, world_size),
     ],
 )
 def test_every_world_size_check_says_the_same(

@@ -1,6 +1,7 @@
 """Our code adds no warnings to a test run: checkpoint detection and the models' doctests.
 
-``detect_strategy`` imported ``torch.distributed.optim`` to ask whether an optimizer is a
+Recognising a model's engine (once ``detect_strategy``, now ``engine_for(model, optimizer)``)
+imported ``torch.distributed.optim`` to ask whether an optimizer is a
 ``ZeroRedundancyOptimizer``; that import scripts torch's functional optimizers and printed 66
 ``torch.jit.script is deprecated`` warnings per fresh process. A doctest of ``loss_fn`` took
 ``float()`` of a tensor that requires grad, which warns.
@@ -20,9 +21,9 @@ import sys, warnings
 import torch
 from torch import nn
 warnings.simplefilter("error")
-from fsdp_guide.checkpoint import detect_strategy
+from fsdp_guide.engines import engine_for
 model = nn.Linear(2, 2)
-assert detect_strategy(model, torch.optim.SGD(model.parameters(), lr=0.1)) == "module"
+assert engine_for(model, torch.optim.SGD(model.parameters(), lr=0.1)).name == "module"
 print("imported:", "torch.distributed.optim" in sys.modules)
 """
 
@@ -41,13 +42,13 @@ def test_zero_redundancy_optimizer_is_still_detected() -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from fsdp_guide.checkpoint import detect_strategy
+    from fsdp_guide.engines import engine_for
 
     class Probe(ZeroRedundancyOptimizer):
         def __init__(self) -> None:  # no process group needed to be an instance
             pass
 
-    assert detect_strategy(fsdp_guide.models.build_model("mlp"), Probe()) == "zero1"
+    assert engine_for(fsdp_guide.models.build_model("mlp"), Probe()).name == "zero1"
 
 
 def test_models_doctests_warn_nothing() -> None:

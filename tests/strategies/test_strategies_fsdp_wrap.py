@@ -21,7 +21,7 @@ from fsdp_guide import find_free_port
 from fsdp_guide.models import Block, TinyTransformer
 from fsdp_guide.strategies import DDPFullyShardedStrategy
 from fsdp_guide.strategies._fsdp_helpers import check_optimizers_use_sharded_params
-from fsdp_guide.strategies.fully_sharded import USE_TRAINER_MODEL
+from fsdp_guide.strategies._fully_sharded import USE_TRAINER_MODEL
 
 N_LAYERS = SMALL_TRANSFORMER.n_layers  # each Block has 12,704 parameters
 

@@ -27,8 +27,8 @@ from fsdp_guide.strategies._fsdp_helpers import (
     check_optimizers_use_sharded_params,
     normalize_layer_classes,
 )
+from fsdp_guide.strategies._fully_sharded import USE_TRAINER_MODEL
 from fsdp_guide.strategies._precision import to_sharded_precision
-from fsdp_guide.strategies.fully_sharded import USE_TRAINER_MODEL
 
 
 @pytest.mark.parametrize(
@@ -90,9 +90,63 @@ def test_lightning_1x_find_unused_parameters_false_names(
     assert name in StrategyRegistry
     assert StrategyRegistry[name]["init_params"] == init_params
     assert StrategyRegistry[name]["strategy"] == cls
-    # What the name meant: ShardedDDP with its usual options (it never searches for unused
-    # parameters, so nothing about them reaches it).
+    # 1.x passed find_unused_parameters=False explicitly, and its DDP keyword arguments showed
+    # it; ShardedDDP itself gets its usual options (it never searches for unused parameters).
+    assert trainer.strategy._ddp_kwargs == {"find_unused_parameters": False}
     assert trainer.strategy.sharded_ddp_options() == {"reduce_buffer_size": 0}
+
+
+# Lightning 1.9.5's sharded-strategy tests (test_ddp_kwargs_from_registry,
+# test_sharded_ddp_choice) and 1.8.6's connector test (multi-node GPUs, CUDA mocked), with
+# our classes: each 1.x name builds the 1.x class, with the DDP keyword arguments 1.x gave.
+_1X_NAMES = [
+    ("ddp_sharded", DDPShardedStrategy, {}),
+    (
+        "ddp_sharded_find_unused_parameters_false",
+        DDPShardedStrategy,
+        {"find_unused_parameters": False},
+    ),
+    ("ddp_sharded_spawn", DDPSpawnShardedStrategy, {}),
+    (
+        "ddp_sharded_spawn_find_unused_parameters_false",
+        DDPSpawnShardedStrategy,
+        {"find_unused_parameters": False},
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "cls", "ddp_kwargs"), _1X_NAMES)
+def test_lightning_1x_names_build_the_1x_class_with_its_ddp_kwargs(
+    tmp_path: Path, name: str, cls: type, ddp_kwargs: dict[str, Any]
+) -> None:
+    trainer = pl.Trainer(default_root_dir=tmp_path, fast_dev_run=True, strategy=name, logger=False)
+    assert type(trainer.strategy) is cls
+    assert trainer.strategy._ddp_kwargs == ddp_kwargs
+    # Whatever the DDP keyword arguments, ShardedDDP gets only arguments it takes.
+    assert trainer.strategy.sharded_ddp_options() == {"reduce_buffer_size": 0}
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize(("name", "cls", "ddp_kwargs"), _1X_NAMES)
+def test_lightning_1x_names_on_several_gpu_nodes(
+    name: str, cls: type, ddp_kwargs: dict[str, Any], devices: int
+) -> None:
+    from unittest import mock
+
+    from pytorch_lightning.accelerators import CUDAAccelerator
+    from pytorch_lightning.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    with (
+        mock.patch("lightning_fabric.accelerators.cuda.num_cuda_devices", return_value=2),
+        mock.patch.object(CUDAAccelerator, "is_available", return_value=True),
+        mock.patch("torch.cuda.is_available", return_value=True),
+    ):
+        connector = _AcceleratorConnector(
+            num_nodes=2, accelerator="gpu", strategy=name, devices=devices
+        )
+    assert type(connector.strategy) is cls
+    assert connector.strategy._ddp_kwargs == ddp_kwargs
+    assert connector.strategy.sharded_ddp_options() == {"reduce_buffer_size": 2**23}
 
 
 def test_ddp_spawn_sharded_strategy_is_the_spawn_variant_under_its_1x_name() -> None:
@@ -342,7 +396,7 @@ def test_activation_checkpointing_of_a_class_the_model_lacks_is_refused() -> Non
 
 
 def test_popen_switches_to_fork_in_an_interactive_session(monkeypatch: pytest.MonkeyPatch) -> None:
-    import fsdp_guide.strategies.sharded as sharded_module
+    import fsdp_guide.strategies._sharded as sharded_module
 
     monkeypatch.setattr(sharded_module, "_IS_INTERACTIVE", True)
     trainer = pl.Trainer(strategy="ddp_sharded", accelerator="cpu", devices=2, logger=False)
@@ -364,7 +418,7 @@ def test_fully_sharded_forks_in_an_interactive_session(
     from lightning_fabric.plugins.environments import LightningEnvironment
     from pytorch_lightning.accelerators import CUDAAccelerator
 
-    import fsdp_guide.strategies.fully_sharded as fully_sharded_module
+    import fsdp_guide.strategies._fully_sharded as fully_sharded_module
 
     monkeypatch.setattr(fully_sharded_module, "_IS_INTERACTIVE", interactive)
     strategy = DDPFullyShardedStrategy(

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_guide import dist_init, find_free_port
+from fsdp_guide import find_free_port
 from fsdp_guide.errors import EngineUnavailableError, OptimizerMismatchError
-from fsdp_guide.launcher import rank_device
+from fsdp_guide.launcher import dist_init, rank_device
 from fsdp_guide.models import Block, TinyTransformer, TransformerConfig, count_params
 from fsdp_guide.wrap import (
     LayerPolicy,
@@ -330,14 +330,14 @@ def test_describe_reads_fairscale_units(policy: WrapPolicy) -> None:
 @pytest.mark.parametrize(("old", "new"), [("torch", "fsdp1"), ("fairscale", "fairscale_fsdp")])
 def test_engines_are_named_as_in_the_catalog_and_old_names_still_work(old: str, new: str) -> None:
     from fsdp_guide.catalog import STRATEGIES
-    from fsdp_guide.engines import get_unit_engine, unit_engines
+    from fsdp_guide.engines import UNIT_ENGINES, unit_engine
 
-    assert {e.name for e in unit_engines()} <= {spec.engine for spec in STRATEGIES.values()}
+    assert {e.name for e in UNIT_ENGINES} <= {spec.engine for spec in STRATEGIES.values()}
     if new == "fairscale_fsdp":
         with pytest.raises(EngineUnavailableError, match="engine 'fairscale_fsdp'"):
-            get_unit_engine(old)
+            unit_engine(old)
     else:
-        assert get_unit_engine(old).name == new
+        assert unit_engine(old).name == new
 
 
 @pytest.mark.usefixtures("one_rank_group")

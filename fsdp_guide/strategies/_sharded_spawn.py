@@ -20,12 +20,10 @@ from lightning_fabric.strategies.registry import _StrategyRegistry
 from pytorch_lightning.plugins.precision import Precision
 from torch.distributed.constants import default_pg_timeout
 
-from fsdp_guide.strategies.sharded import DDPShardedStrategy, StartMethod
+from fsdp_guide.strategies._sharded import DDPShardedStrategy, StartMethod
 
 if TYPE_CHECKING:
     from pytorch_lightning.accelerators import Accelerator
-
-__all__ = ["DDPSpawnShardedStrategy"]
 
 
 class DDPSpawnShardedStrategy(DDPShardedStrategy):
@@ -44,7 +42,7 @@ class DDPSpawnShardedStrategy(DDPShardedStrategy):
         timeout: Timeout of the process group's collectives.
         start_method: ``"spawn"``; ``"fork"`` and ``"forkserver"`` are accepted too, as
             Lightning's own spawn launcher accepts them.
-        find_unused_parameters: Only ``False`` (see
+        find_unused_parameters: ``None`` or ``False`` (see
             :class:`~fsdp_guide.strategies.DDPShardedStrategy`).
         **kwargs: Passed to FairScale's ``ShardedDataParallel``.
 
@@ -69,7 +67,7 @@ class DDPSpawnShardedStrategy(DDPShardedStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "spawn",
-        find_unused_parameters: bool = False,
+        find_unused_parameters: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if start_method == "popen":

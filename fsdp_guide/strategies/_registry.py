@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["STRATEGY_NAMES", "register_fairscale_strategies"]
-
+#: The strategy names registered in Lightning's registry, Lightning 1.x's names included.
 STRATEGY_NAMES = (
     "ddp_sharded",
     "ddp_sharded_spawn",
@@ -45,9 +44,9 @@ def register_fairscale_strategies(registry: Any = None) -> list[str]:
         >>> registry.get("ddp_sharded_notebook")._start_method
         'fork'
     """
-    from fsdp_guide.strategies.fully_sharded import DDPFullyShardedStrategy
-    from fsdp_guide.strategies.sharded import DDPShardedStrategy
-    from fsdp_guide.strategies.sharded_spawn import DDPSpawnShardedStrategy
+    from fsdp_guide.strategies._fully_sharded import DDPFullyShardedStrategy
+    from fsdp_guide.strategies._sharded import DDPShardedStrategy
+    from fsdp_guide.strategies._sharded_spawn import DDPSpawnShardedStrategy
 
     if registry is None:
         from pytorch_lightning.strategies import StrategyRegistry

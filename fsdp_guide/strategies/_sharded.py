@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
     from pytorch_lightning.accelerators import Accelerator
 
-__all__ = ["DDPShardedStrategy"]
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +98,11 @@ class DDPShardedStrategy(DDPStrategy):
         start_method: How ranks start: ``"popen"`` re-runs the script (the default, like
             Lightning's ``"ddp"``), ``"spawn"``, or ``"fork"`` (notebooks). In an
             interactive session ``"popen"`` cannot work and ``"fork"`` is used instead.
-        find_unused_parameters: Only ``False``, what Lightning 1.x's
+        find_unused_parameters: ``None`` (not given) or ``False``, what Lightning 1.x's
             ``"ddp_sharded_find_unused_parameters_false"`` passed: ShardedDDP never looks
-            for unused parameters.
+            for unused parameters. Given, it is kept in the strategy's DDP keyword arguments
+            (``_ddp_kwargs``), as 1.x kept it, and not passed on to ShardedDDP, which has no
+            such argument.
         **kwargs: Passed to FairScale's ``ShardedDataParallel``
             (``broadcast_buffers``, ``reduce_buffer_size``, ``reduce_fp16``, ...). Unless
             given, ``reduce_buffer_size`` is ``0`` on one node (no reduce buckets: each
@@ -116,6 +117,8 @@ class DDPShardedStrategy(DDPStrategy):
         >>> strategy = DDPShardedStrategy(reduce_buffer_size=0)
         >>> strategy.strategy_name, strategy.sharded_ddp_kwargs
         ('ddp_sharded', {'reduce_buffer_size': 0})
+        >>> DDPShardedStrategy(find_unused_parameters=False)._ddp_kwargs
+        {'find_unused_parameters': False}
         >>> DDPShardedStrategy().sharded_ddp_options()
         {'reduce_buffer_size': 0}
         >>> strategy = DDPShardedStrategy()
@@ -144,7 +147,7 @@ class DDPShardedStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
-        find_unused_parameters: bool = False,
+        find_unused_parameters: bool | None = None,
         **kwargs: Any,
     ) -> None:
         from fairscale.nn.data_parallel import ShardedDataParallel
@@ -162,6 +165,11 @@ class DDPShardedStrategy(DDPStrategy):
             type(self).__name__,
             excluded=("self", "module", "sharded_optimizer", "process_group"),
         )
+        # Lightning 1.x's *_find_unused_parameters_false names passed it explicitly, and their
+        # DDP keyword arguments showed it; ShardedDDP never looks, so it goes no further.
+        ddp_kwargs: dict[str, Any] = {}
+        if find_unused_parameters is not None:
+            ddp_kwargs["find_unused_parameters"] = False
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -171,11 +179,9 @@ class DDPShardedStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            **ddp_kwargs,
         )
         self.sharded_ddp_kwargs: dict[str, Any] = dict(kwargs)
-        # Lightning 1.x's *_find_unused_parameters_false names passed it; it is what
-        # ShardedDDP always does.
-        self.find_unused_parameters = False
 
     def _configure_launcher(self) -> None:
         check_sharded_precision(self.precision_plugin)  # before any rank starts

@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     import pytorch_lightning as pl
     from pytorch_lightning.accelerators import Accelerator
 
-__all__ = ["DDPFullyShardedStrategy"]
 
 USE_TRAINER_MODEL = (
     "configure_optimizers must build the optimizer from self.trainer.model.parameters():"

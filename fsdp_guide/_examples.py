@@ -1,4 +1,4 @@
-"""Tiny training-shaped functions used by the README demo, doctests and tests.
+"""Tiny training-shaped functions for the ``demo`` command and the tests (private).
 
 They live in a module (not a notebook) so they can be started with ``spawn``.
 """
@@ -10,15 +10,13 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["hello", "rank_and_sum"]
-
 
 def rank_and_sum(rank: int, world_size: int) -> tuple[int, float]:
     """All-reduce ``1 / world_size`` from every rank; each rank returns its rank and the sum.
 
     Examples:
-        >>> import fsdp_guide
-        >>> fsdp_guide.launch(rank_and_sum, world_size=2, start_method="spawn")
+        >>> from fsdp_guide import launch
+        >>> launch(rank_and_sum, world_size=2, start_method="spawn")
         [(0, 1.0), (1, 1.0)]
     """
     t = torch.tensor([1.0 / world_size])
