@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from fsdp_guide.checkpoint._agree import agree, attempt, rank_and_world
+from fsdp_guide.checkpoint._async import AsyncSave, save_async
 from fsdp_guide.checkpoint._detect import engine_of
 from fsdp_guide.checkpoint._dir import check_sharded_target, open_sharded, write_sharded
 from fsdp_guide.checkpoint._full import full_payload, read_full, write_full
@@ -23,9 +24,6 @@ from fsdp_guide.checkpoint._state import (
 from fsdp_guide.engines import Engine, engine_class
 from fsdp_guide.errors import CheckpointError
 from fsdp_guide.launcher import every_rank_enters
-
-if TYPE_CHECKING:  # the background save builds on this module
-    from fsdp_guide.checkpoint._async import AsyncSave
 
 CheckpointKind = Literal["full", "sharded"]
 
@@ -54,30 +52,6 @@ def _check_save_arguments(path: Path, kind: str, engine: Engine | str, extra: An
         check_sharded_target(path)
     if extra is not None:
         check_weights_only_value(extra)
-
-
-@overload
-def save(
-    path: str | os.PathLike[str],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    kind: CheckpointKind = "full",
-    extra: dict[str, Any] | None = None,
-    blocking: Literal[True] = True,
-) -> Path: ...
-
-
-@overload
-def save(
-    path: str | os.PathLike[str],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    kind: CheckpointKind = "full",
-    extra: dict[str, Any] | None = None,
-    blocking: Literal[False],
-) -> AsyncSave: ...
 
 
 def save(
@@ -140,8 +114,6 @@ def save(
                 "blocking=False writes each rank's shards in the background: pass "
                 "kind='sharded' (FSDP1, FSDP2)"
             )
-        from fsdp_guide.checkpoint._async import save_async  # it builds on this module
-
         return save_async(path, model, optimizer, extra=extra)
     every_rank_enters("fsdp_guide.checkpoint.save")
     path = Path(path)

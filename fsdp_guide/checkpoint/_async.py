@@ -30,7 +30,6 @@ from torch import nn
 
 from fsdp_guide.checkpoint import _dcp
 from fsdp_guide.checkpoint._agree import rank_and_world
-from fsdp_guide.checkpoint._api import _check_save_arguments
 from fsdp_guide.checkpoint._detect import engine_of
 from fsdp_guide.checkpoint._dir import begin_sharded, finish_sharded
 from fsdp_guide.checkpoint._names import optimizer_record
@@ -136,7 +135,9 @@ def save_async(
             is written.
         TypeError: ``extra`` holds something a ``weights_only`` load would refuse.
     """
-    every_rank_enters("fsdp_guide.checkpoint.save_async")
+    from fsdp_guide.checkpoint._api import _check_save_arguments  # save() imports this module
+
+    every_rank_enters("fsdp_guide.checkpoint.save")
     started = time.perf_counter()
     path = Path(path)
     engine = engine_of(model, optimizer)
