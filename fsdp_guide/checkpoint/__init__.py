@@ -9,9 +9,8 @@ it with its own model and optimizer):
   one file that loads at any world size into any strategy; ``kind="sharded"`` (FSDP1, FSDP2,
   FairScale FSDP, DeepSpeed) has each rank write only its own shards, for states too large
   to gather on one rank. ``extra`` (step, epoch, RNG states) is saved with it.
-- ``save(..., kind="sharded", blocking=False)`` (FSDP1, FSDP2) to save without stopping: it
-  returns once the state is copied into host memory, a thread writes it while training goes
-  on, and the handle's ``wait()`` finishes it with the same guarantees.
+- ``save(..., kind="sharded", blocking=False)`` (FSDP1, FSDP2) saves while training goes
+  on; the handle's ``wait()`` finishes it.
 - :func:`load` after building the model and optimizer exactly as for training; it returns
   that ``extra``. Restoring RNG states from it is yours to do, since only you know which
   generators matter.

@@ -85,8 +85,9 @@ def save(
             loads is the state at the call; until ``wait()`` ends, the previous checkpoint.
 
     Returns:
-        The path written; with ``blocking=False``, the save's handle: ``wait()`` finishes
-        it and returns the path, ``staged_bytes`` is this rank's copy in host memory.
+        The path written, or with ``blocking=False`` the handle of the save, whose
+        ``wait()`` finishes it and returns the path (``staged_bytes`` gives this rank's
+        copy in host memory).
 
     Raises:
         ValueError: Unknown ``kind``, ``"sharded"`` for a strategy that does not shard
