@@ -1,7 +1,9 @@
-"""Shared fixtures: GPU skipping and a check that no test leaves a process behind."""
+"""Shared fixtures: GPU skipping, a check that no test leaves a process behind, and each
+test's environment variables restored after it."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -72,3 +74,15 @@ def no_process_left_behind() -> Iterator[None]:
         time.sleep(0.1)
         leftover = [p for p in live_children() if p.pid not in before]
     assert not leftover, f"processes left behind: {[(p.pid, p.name()) for p in leftover]}"
+
+
+@pytest.fixture(autouse=True)
+def environment_restored() -> Iterator[None]:
+    """Put back the environment a test found: Lightning's strategies write ``MASTER_PORT``,
+    ``RANK`` and ``WORLD_SIZE`` into this process, and a later ``launch`` would read them as
+    a rendezvous it was told to use (a port long gone, or a torchrun it is not under)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -26,6 +26,11 @@ STRATEGIES = ("ddp", "zero1", "sharded_ddp", "fsdp_grad_op", "fsdp2")
 # What the table depends on: a change to any of these plans it again.
 _SOURCES = (
     "fsdp_guide/memory/_plan.py",
+    "fsdp_guide/memory/_plan_record.py",
+    "fsdp_guide/memory/_profile.py",
+    "fsdp_guide/memory/_recommend.py",
+    "fsdp_guide/memory/_request.py",
+    "fsdp_guide/memory/_dimensions.py",
     "fsdp_guide/memory/_tp.py",
     "fsdp_guide/memory/_predict.py",
     "fsdp_guide/memory/_trace.py",
@@ -48,10 +53,11 @@ def _key(repo: Path) -> str:
 
 
 def fit_table() -> str:
-    """The Markdown table: GB per GPU of each strategy, and the recommended one."""
+    """The Markdown table: the step's peak in GB per GPU of each strategy, and the
+    recommended one."""
     import torch
 
-    from fsdp_guide.memory import plan, recommend, traced_activation_bytes
+    from fsdp_guide.memory import plan, recommend
     from fsdp_guide.models import TinyTransformer, TransformerConfig
 
     # Few, short columns: the table must fit a laptop's screen beside the site's sidebars.
@@ -61,10 +67,8 @@ def fit_table() -> str:
         cfg = TransformerConfig(**fields)
         with torch.device("meta"):
             model = TinyTransformer(cfg)
-        saved = traced_activation_bytes(
-            model, 1, cfg.seq_len, precision="mixed", activation_checkpointing="blocks"
-        )
         for world_size in WORLD_SIZES:
+            # One trace per way of running bf16, shared by the strategies (same model object).
             plans = [
                 plan(
                     model,
@@ -74,15 +78,15 @@ def fit_table() -> str:
                     strategy=s,
                     precision="mixed",
                     activation_checkpointing="blocks",
-                    activations=saved,
                 )
                 for s in STRATEGIES
             ]
-            fits = [p for p in plans if p.total <= GPU_BYTES * (1 - MARGIN)]
             best = recommend(plans, GPU_BYTES, MARGIN)
             cells = [f"{name} ({plans[0].num_params / 1e9:.2f}B)", str(world_size)]
-            cells.append(f"{saved / 1e9:.1f}")
-            cells += [f"{p.total / 1e9:.1f}" + ("" if p in fits else " ✗") for p in plans]
+            cells.append(f"{plans[-1].activations / 1e9:.1f}")
+            for p in plans:
+                fits = p.fits(GPU_BYTES, MARGIN)
+                cells.append(f"{p.step_peak / 1e9:.1f}" + ("" if fits else " ✗"))
             cells.append(f"`{best.strategy}`" if best else "more GPUs")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

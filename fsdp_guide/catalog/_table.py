@@ -120,7 +120,7 @@ _ROWS = (
     ),
     StrategySpec(
         name="fsdp_hybrid",
-        summary="PyTorch FSDP1, HYBRID_SHARD in pairs",
+        summary="PyTorch FSDP1, HYBRID_SHARD: sharded within a node",
         engine="fsdp1",
         zero_stage=3,
         settings={"sharding_strategy": "HYBRID_SHARD", "shard_group": 2},
@@ -134,10 +134,27 @@ _ROWS = (
     ),
     StrategySpec(
         name="fsdp2_hybrid",
-        summary="PyTorch FSDP2 on a (replicate, shard) mesh: HSDP in pairs",
+        summary="PyTorch FSDP2 on a (replicate, shard) mesh: HSDP, sharded within a node",
         engine="fsdp2",
         zero_stage=3,
         settings={"shard_group": 2},
+        aliases=("hsdp",),
+        variant_of="fsdp2",
+    ),
+    StrategySpec(
+        name="fsdp2_no_reshard",
+        summary="PyTorch FSDP2, reshard_after_forward=False (blocks kept gathered)",
+        engine="fsdp2",
+        zero_stage=3,
+        settings={"reshard_after_forward": False},
+        variant_of="fsdp2",
+    ),
+    StrategySpec(
+        name="fsdp2_offload",
+        summary="PyTorch FSDP2 with CPUOffloadPolicy (state in host memory)",
+        engine="fsdp2",
+        zero_stage=3,
+        settings={"offload": True},
         variant_of="fsdp2",
     ),
     StrategySpec(
@@ -162,6 +179,7 @@ _ROWS = (
         zero_stage=2,
         settings={"stage": 2},
         needs=_DEEPSPEED,
+        aliases=("zero2",),
     ),
     StrategySpec(
         name="deepspeed_zero2_offload",
@@ -179,6 +197,7 @@ _ROWS = (
         zero_stage=3,
         settings={"stage": 3},
         needs=_DEEPSPEED,
+        aliases=("zero3",),
     ),
     StrategySpec(
         name="deepspeed_zero3_offload",

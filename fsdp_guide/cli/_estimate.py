@@ -23,24 +23,51 @@ from fsdp_guide.cli._args import (
 from fsdp_guide.cli._estimate_practice import add_options, check
 from fsdp_guide.memory import OptimizerName, Precision
 
-_SHARDS = ("nothing", "optimizer state", "+ gradients", "+ parameters")
 
-
-def _strategies_of_stage(stage: int) -> str:
-    """Names of the catalog at a stage; variants of one mechanism (buckets, hybrid, offload) out."""
+def _strategy_lines() -> str:
+    """Every strategy of the catalog with its aliases and summary, for ``--help``."""
     from fsdp_guide.catalog import STRATEGIES
 
-    names = [s.name for s in STRATEGIES.values() if s.zero_stage == stage and not s.variant_of]
-    return ", ".join(names)
+    lines = []
+    for spec in STRATEGIES.values():
+        also = f" (also {', '.join(spec.aliases)})" if spec.aliases else ""
+        lines.append(f"  {spec.name}{also}: {spec.summary}")
+    return "\n".join(lines)
+
+
+_EPILOG = f"""strategies:
+{_strategy_lines()}
+
+columns (bytes per GPU, on the rank that holds the most):
+  params, grads, optimizer, master, buckets  model state on the GPU (master: DeepSpeed's
+      fp32 copy; buckets: communication buffers kept between steps)
+  activations  what autograd saves in forward
+  transient    the largest short-lived buffer (a gathered unit, DDP's bucket)
+  total        the sum of the columns before it
+  peak         the most held at once in a step (forward, backward or the optimizer step):
+               what must fit --gpu-memory
+  host         model state kept in host memory (offload)
+  payload      per optimizer step: the tensor each collective reduces, gathers or
+               broadcasts, in its precision (gradients in --reduce-dtype)
+  wire         per optimizer step, what the rank sends in a ring: 2(g-1)/g of an
+               all-reduce's payload, (g-1)/g of the others', over a group of g ranks
+"""
 
 
 def add_parser(sub: Any) -> None:
     """Register the ``estimate`` command."""
     p: argparse.ArgumentParser = sub.add_parser(
         "estimate",
-        help="ZeRO estimate of model-state memory per GPU for every stage",
-        description="Bytes of parameters, gradients and optimizer state per rank that the "
-        "ZeRO formulas predict, for stages 0-3 (activations and buffers not included).",
+        help="will it fit: memory per GPU and communication of a training step, per strategy",
+        description="With --params: the model state per GPU (parameters, gradients, optimizer "
+        "state) that the ZeRO formulas give for stages 0-3, nothing else. With --model or "
+        "--hf: a real model planned for every strategy without allocating it: each rank's "
+        "state as its engine lays it out (on the GPU and, where offloaded, in host memory), "
+        "the activations traced over the whole step, the step's peak on the GPU (what must "
+        "fit --gpu-memory), and the communication per optimizer step in payload and wire "
+        "bytes.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=count, help="parameter count, e.g. 7e9, 7B, 350M")
@@ -98,7 +125,11 @@ def add_parser(sub: Any) -> None:
         help="tokens per sample; default: the longest the model takes (512 without a limit)",
     )
     p.add_argument(
-        "--strategy", type=catalog_names, default=None, help="strategies to plan; default all"
+        "--strategy",
+        type=catalog_names,
+        default=None,
+        metavar="NAMES",
+        help="comma-separated strategies to plan (names listed below); default all",
     )
     p.add_argument(
         "--activation-checkpointing",
@@ -220,93 +251,69 @@ def add_parser(sub: Any) -> None:
         "on a real one (fsdp_guide.wrap.saved_activation_bytes), e.g. 1.2GB, in place of the "
         "trace; for models a trace cannot follow, such as a mixture of experts",
     )
-    p.add_argument("--precision", choices=get_args(Precision), default="mixed")
-    p.add_argument("--optimizer", choices=get_args(OptimizerName), default="adam")
+    p.add_argument(
+        "--precision",
+        choices=get_args(Precision),
+        default="mixed",
+        help="mixed: bf16 compute with fp32 master weights (default); fp32",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=get_args(OptimizerName),
+        default="adam",
+        help="adam (default) or adamw: the same memory (AdamW's decoupled weight decay keeps "
+        "no state of its own); sgd; sgd_momentum",
+    )
     p.add_argument(
         "--gpu-memory",
         type=positive_size,
         default=None,
-        help="memory per GPU with its unit: 80GB (10^9 bytes) or 80GiB (2^30 bytes)",
+        help="memory per GPU with its unit: 80GB (10^9 bytes) or 80GiB (2^30 bytes); a "
+        "strategy fits when its step's peak on the GPU does, less --margin",
+    )
+    p.add_argument(
+        "--host-memory",
+        type=positive_size,
+        default=None,
+        metavar="SIZE",
+        help="host memory per GPU (its share of the node's RAM), e.g. 200GB: what offload "
+        "keeps there must fit it too",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int_at_least(1, MAX_WORLD_SIZE),
+        default=8,
+        metavar="G",
+        help="GPUs of a node; default 8. HSDP (fsdp2_hybrid, fsdp_hybrid) shards within a "
+        "node and replicates across nodes; the inter-node wire bytes are those of the "
+        "collectives whose group spans nodes",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=("fp32", "bf16"),
+        default=None,
+        help="with --precision mixed: what the gradients are reduced in; default fp32 for "
+        "every strategy, as examples/fsdp2_train.py sets reduce_dtype (DeepSpeed's own "
+        "default, communication_data_type, is bf16)",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int_at_least(1, MAX_TOKENS),
+        default=1,
+        metavar="K",
+        help="with --model or --hf: micro-batches of --batch-size per optimizer step; "
+        "default 1. The gradients of the first are held through the others; FSDP and "
+        "DeepSpeed ZeRO-2/3 reduce every micro-batch (payload and wire are per optimizer "
+        "step), DDP and ZeRO-1 once (--sync-each-micro-step changes it for ddp, fsdp, fsdp2)",
+    )
+    p.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="with --gpu-memory: also find, per strategy, the largest --batch-size whose step "
+        "fits (a column 'max batch')",
     )
     add_options(p)
     p.set_defaults(func=_run)
-
-
-def estimate_table(
-    num_params: float,
-    world_size: int,
-    precision: str = "mixed",
-    optimizer: str = "adam",
-    gpu_memory: int | None = None,
-) -> str:
-    """The table ``estimate`` prints: one line per ZeRO stage, in GB (10**9 bytes).
-
-    Args:
-        num_params: Parameters in the model.
-        world_size: Ranks (GPUs) the state is sharded over.
-        precision: ``"mixed"`` or ``"fp32"``.
-        optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
-        gpu_memory: Bytes per GPU; adds a column telling whether the model state fits.
-
-    Raises:
-        ValueError: For bad numbers, precision or optimizer.
-
-    Examples:
-        >>> print(estimate_table(7.5e9, 64, gpu_memory=32 * 10**9))  # ZeRO paper, Figure 1
-        7.50B parameters on 64 ranks, mixed precision, adam: 2 + 2 + 12 bytes per parameter
-        stage  shards           strategies                                    params    grads ...
-        0      nothing          ddp, fsdp_no_shard                            15.00 GB  15.00 GB ...
-        1      optimizer state  zero1, oss, deepspeed_zero1                   15.00 GB  15.00 GB ...
-        2      + gradients      sharded_ddp, fsdp_grad_op, deepspeed_zero2    15.00 GB  0.23 GB ...
-        3      + parameters     fsdp, fsdp2, fairscale_fsdp, deepspeed_zero3  0.23 GB   0.23 GB ...
-    """
-    from fsdp_guide.compare import text_table
-    from fsdp_guide.memory import bytes_per_param, estimate_model_state
-
-    per = bytes_per_param(precision, optimizer)  # type: ignore[arg-type]
-    header = ["stage", "shards", "strategies", "params", "grads", "optimizer", "total"]
-    if gpu_memory is not None:
-        header.append(f"fits {gpu_memory / 1e9:.4g} GB")
-    rows = [header]
-    for stage, shards in enumerate(_SHARDS):
-        names = _strategies_of_stage(stage)
-        state = estimate_model_state(num_params, world_size, stage, precision, optimizer)  # type: ignore[arg-type]
-        cells = [str(stage), shards, names]
-        cells += [readable(b, "GB") for b in (state.params, state.grads, state.optimizer)]
-        cells.append(readable(state.total, "GB"))
-        if gpu_memory is not None:
-            cells.append("yes" if state.total <= gpu_memory else "no")
-        rows.append(cells)
-    title = (
-        f"{_count(num_params)} parameters on {world_size} ranks, {precision} precision, "
-        f"{optimizer}: {per.params} + {per.grads} + {per.optimizer} bytes per parameter"
-    )
-    return "\n".join([title, text_table(rows)])
-
-
-def readable(num_bytes: float, unit: str) -> str:
-    """``num_bytes`` in ``unit``, or in the unit that shows it when it is below 0.1 of it.
-
-    A column in GB would print a few megabytes as ``0.00 GB`` or ``0.01 GB``; those cells
-    switch to the unit that gives them three digits.
-
-    Examples:
-        >>> readable(2.5e9, "GB"), readable(12_000_000, "GB"), readable(0, "GB")
-        ('2.50 GB', '12.00 MB', '0.00 GB')
-    """
-    from fsdp_guide.memory import format_bytes
-
-    scale = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}.get(unit, 1)
-    if num_bytes and abs(num_bytes) < 0.1 * scale:
-        return format_bytes(num_bytes)
-    return format_bytes(num_bytes, unit)
-
-
-def _count(num_params: float) -> str:
-    """``7.50B``, ``350.00M`` or ``9,000``: a parameter count with the digits that matter."""
-    if num_params >= 1e9:
-        return f"{num_params / 1e9:.2f}B"
-    return f"{num_params / 1e6:.2f}M" if num_params >= 1e6 else f"{num_params:,.0f}"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -321,6 +328,13 @@ def _run(args: argparse.Namespace) -> int:
         raise CommandError(
             "--wrap needs a real model (--model package.module:builder or --hf TYPE): its units "
             "are the model's modules, which --params does not have"
+        )
+    if args.max_batch and args.gpu_memory is None:
+        raise CommandError("--max-batch finds the largest batch that fits: give --gpu-memory")
+    if args.model is None and args.hf is None and args.max_batch:
+        raise CommandError(
+            "--max-batch plans a real model's activations (--model package.module:builder or "
+            "--hf TYPE); --params plans the model state only"
         )
     if args.model is None and args.hf is None and args.activations is not None:
         raise CommandError(
@@ -358,9 +372,14 @@ def _run(args: argparse.Namespace) -> int:
         from fsdp_guide.cli._estimate_model import run_model
 
         return run_model(args)
+    from fsdp_guide.cli._estimate_table import estimate_table
+
     table = estimate_table(
         args.params, args.world_size, args.precision, args.optimizer, args.gpu_memory
     )
     print(table)
-    print("Model state only: activations, communication buffers and fragmentation come on top.")
+    print(
+        "Model state only: activations, communication buffers and fragmentation come on top "
+        "(plan a real model with --model or --hf)."
+    )
     return 0

@@ -190,6 +190,7 @@ def _pipeline_options(args: argparse.Namespace) -> dict[str, Any]:
 def run_model(args: argparse.Namespace) -> int:
     """Plan ``args.model`` for each strategy; print a table (or JSON) and a recommendation."""
     from fsdp_guide.catalog import STRATEGIES
+    from fsdp_guide.cli._estimate_table import largest_batch, plan_table
     from fsdp_guide.engines import engine_for, follows_units
     from fsdp_guide.errors import MissingRequirementError, PlanError
     from fsdp_guide.inputs import default_seq_len, example_batch
@@ -202,7 +203,6 @@ def run_model(args: argparse.Namespace) -> int:
     names = default_strategies(
         args, args.strategy or (["fsdp2"] if tp > 1 or pp > 1 or ep > 1 else list(STRATEGIES))
     )
-    plans: list[Plan] = []
     with_units = [name for name in names if follows_units(engine_for(name))]
     if args.wrap is not None and not with_units:
         raise CommandError(
@@ -225,37 +225,19 @@ def run_model(args: argparse.Namespace) -> int:
             checkpointing = _checkpointing(args.activation_checkpointing, model)
             batch = example_batch(model, args.input or ())
             seq_len = args.seq_len or (default_seq_len(model) if batch.uses_seq_len else 1)
-            # One trace serves every strategy that runs bf16 the same way (autocast, or cast
-            # parameters; in fp32 all are alike); with tensor or context parallelism, plan()
-            # traces the model as one rank cuts it.
-            traces: dict[str, int] = {}
             measured = getattr(args, "activations", None)  # stated: no trace
-            # Name patterns freeze parameters inside plan(), which then traces for itself.
-            shared = tp == pp == cp == ep == 1 and measured is None
-            for name in names if shared and patterns(args.trainable) is None else []:
-                kind = _bf16_kind(name, args.precision)
-                if kind not in traces:
-                    traces[kind] = traced_activation_bytes(
-                        model,
-                        args.batch_size,
-                        seq_len,
-                        precision=args.precision,
-                        activation_checkpointing=checkpointing,
-                        batch=batch.build,
-                        mixed=kind,
-                    )
-        for name in names:
-            plans.append(
-                plan(
+
+            def planned(name: str, batch_size: int = args.batch_size) -> Plan:
+                return plan(
                     model,
-                    batch_size=args.batch_size,
+                    batch_size=batch_size,
                     seq_len=seq_len,
                     world_size=args.world_size,
                     strategy=name,
                     precision=args.precision,
                     activation_checkpointing=checkpointing,
                     optimizer=args.optimizer,
-                    activations=measured or traces.get(_bf16_kind(name, args.precision)),
+                    activations=measured,
                     tensor_parallel=tp,
                     sequence_parallel=getattr(args, "sequence_parallel", False),
                     context_parallel=cp,
@@ -264,11 +246,33 @@ def run_model(args: argparse.Namespace) -> int:
                     batch=batch.build,
                     **_pipeline_options(args),
                     policy=policy,
-                    grad_accumulation=args.grad_accum,
-                    sync_each_micro_step=args.sync_each_micro_step,
-                    trainable=patterns(args.trainable),
+                    gpus_per_node=getattr(args, "gpus_per_node", None),
+                    reduce_dtype=getattr(args, "reduce_dtype", None),
+                    grad_accumulation=getattr(args, "grad_accum", 1),
+                    sync_each_micro_step=getattr(args, "sync_each_micro_step", None),
+                    trainable=patterns(getattr(args, "trainable", None)),
                 )
-            )
+
+            # The model's forward and backward run once per way of running bf16 (autocast,
+            # or cast parameters; in fp32 all are alike), under the time limit; the other
+            # strategies reuse that trace.
+            by_name: dict[str, Plan] = {}
+            kinds: set[str] = set()
+            for name in names:
+                if _bf16_kind(name, args.precision) not in kinds:
+                    kinds.add(_bf16_kind(name, args.precision))
+                    by_name[name] = planned(name)
+        plans = [by_name[name] if name in by_name else planned(name) for name in names]
+        host = getattr(args, "host_memory", None)
+        largest: dict[str, int] = {}
+        if getattr(args, "max_batch", False):
+            for p in plans:
+                largest[p.strategy] = largest_batch(
+                    lambda b, n=p.strategy: planned(n, b),  # type: ignore[misc]
+                    args.gpu_memory,
+                    args.margin,
+                    host,
+                )
     except (PlanError, MissingRequirementError) as exc:
         raise CommandError(str(exc)) from exc
     sizes = f"B={args.batch_size}" + (f", S={seq_len}" if batch.uses_seq_len else "")
@@ -279,80 +283,21 @@ def run_model(args: argparse.Namespace) -> int:
         rule = args.wrap.text if args.wrap else "blocks"
         units = next(p.units for p in plans if p.units)
         used += f"\nunits: {units}, for {', '.join(with_units)} (--wrap {rule})"
+    if getattr(args, "optimizer", "adam") == "adamw":
+        used += "\noptimizer: adamw, planned as adam (the same moments; weight decay adds none)"
     if args.json:
         rows = []
         for p in plans:
             for rank in range(p.world_size):  # ranks differ: whole-tensor and padded shards
                 row: dict[str, Any] = p.as_dict(rank)
                 if args.gpu_memory is not None:
-                    row["fits"] = p.fits(args.gpu_memory, args.margin, rank=rank)
+                    row["fits"] = p.fits(args.gpu_memory, args.margin, rank=rank, host_memory=host)
+                if p.strategy in largest:
+                    row["max_batch"] = largest[p.strategy]
                 rows.append(row)
         print(json.dumps(rows, indent=1))
         print(used, file=sys.stderr)  # stdout stays one JSON document
         return 0
-    print(plan_table(plans, args.gpu_memory, args.margin))
+    print(plan_table(plans, args.gpu_memory, args.margin, host, largest))
     print("\n".join([*extra_lines(plans), used]))
     return 0
-
-
-def plan_table(plans: list[Any], gpu_memory: int | None = None, margin: float = 0.1) -> str:
-    """One line per strategy, its fullest rank, and the recommendation when a GPU size is given.
-
-    The recommendation (``recommend``) is the strategy that fits
-    (within ``gpu_memory`` less the margin) on the best-maintained engine (FSDP2 before FSDP1,
-    both before FairScale), with the least communication per step, then the least memory;
-    under it, the fine-tuning recipe of the repository's ``examples/recipes`` that trains
-    that way.
-
-    Examples:
-        >>> from fsdp_guide.memory import plan
-        >>> from fsdp_guide.models import MLP
-        >>> plans = [plan(MLP(), batch_size=8, seq_len=1, world_size=2, strategy=s)
-        ...          for s in ("ddp", "fsdp", "fsdp2")]
-        >>> print(plan_table(plans, gpu_memory=2_600_000))
-        142,088 parameters on 2 ranks, fp32 precision; bytes on the fullest rank
-        strategy  params   grads    optimizer  activations  transient  total    comm/step  fits
-        ddp       0.57 MB  0.57 MB  1.14 MB    26.11 KB     0.57 MB    2.87 MB  0.57 MB    no
-        fsdp      0.28 MB  0.28 MB  0.57 MB    26.11 KB     1.14 MB    2.30 MB  1.14 MB    yes
-        fsdp2     0.28 MB  0.28 MB  0.57 MB    26.11 KB     1.14 MB    2.30 MB  1.14 MB    yes
-        recommended: fsdp2 (fits 2.60 MB with 10% margin; maintained engines first,
-        then the least communication)
-        recipe: examples/recipes/fsdp2_finetune.py
-    """
-    from fsdp_guide.cli._estimate import readable
-    from fsdp_guide.cli._recipe import recipe_for
-    from fsdp_guide.compare import text_table
-    from fsdp_guide.memory import format_bytes, recommend
-
-    largest = max(p.total for p in plans)
-    unit = "GB" if largest >= 1e8 else "MB" if largest >= 1e5 else "KB"
-    header = ["strategy", "params", "grads", "optimizer", "activations", "transient", "total"]
-    header.append("comm/step")
-    if gpu_memory is not None:
-        header.append("fits")
-    rows = [header]
-    for p in plans:
-        state = (0, 0, 0) if p.cpu_offload else (p.state.params, p.state.grads, p.state.optimizer)
-        values = (*state, p.activations, p.transient, p.total, p.communication.payload_bytes)
-        cells = [p.strategy, *(readable(v, unit) for v in values)]
-        if gpu_memory is not None:
-            cells.append("yes" if p.fits(gpu_memory, margin) else "no")
-        rows.append(cells)
-    first = plans[0]
-    title = (
-        f"{first.num_params:,} parameters on {first.world_size} ranks, {first.precision} "
-        "precision; bytes on the fullest rank"
-    )
-    out = [title, text_table(rows)]
-    if gpu_memory is not None:
-        best = recommend(plans, gpu_memory, margin)
-        size = format_bytes(gpu_memory).replace(".00", "")
-        if best is not None:
-            out.append(
-                f"recommended: {best.strategy} (fits {size} with {margin:.0%} margin; "
-                "maintained engines first, then the least communication)"
-            )
-            out.append(f"recipe: {recipe_for(best.strategy)}")
-        else:
-            out.append(f"recommended: none fits {size} with {margin:.0%} margin; add GPUs")
-    return "\n".join(out)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_guide.cli._args import int_at_least, shown
+from fsdp_guide.cli._args import shown
 from fsdp_guide.errors import CommandError
 
 #: Strategies whose accumulation and frozen parameters ``plan`` knows, for the default list.
@@ -67,21 +67,16 @@ def trainable_arg(text: str) -> TrainableArg:
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    """Register ``--grad-accum``, ``--sync-each-micro-step`` and ``--trainable``."""
-    p.add_argument(
-        "--grad-accum",
-        type=int_at_least(1, 10**6),
-        default=1,
-        metavar="K",
-        help="with --model or --hf: micro-steps per optimizer step; adds what each rank holds "
-        "between micro-steps and sends over the K (ddp, fsdp, fsdp2); default 1",
-    )
+    """Register ``--sync-each-micro-step`` and ``--trainable`` (``--grad-accum`` is
+    ``estimate``'s own)."""
     p.add_argument(
         "--sync-each-micro-step",
-        action="store_true",
-        help="with --grad-accum: reduce the gradients after every micro-step (FSDP then holds "
-        "gradient shards only) instead of once, after the last (no_sync(), "
-        "set_requires_gradient_sync(False): FSDP holds every unsharded gradient)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --grad-accum (ddp, fsdp, fsdp2): reduce the gradients after every "
+        "micro-step (FSDP then holds gradient shards only), or with --no-sync-each-micro-step "
+        "once, after the last (no_sync(), set_requires_gradient_sync(False): FSDP holds every "
+        "unsharded gradient); default: each strategy's own way",
     )
     p.add_argument(
         "--trainable",
@@ -104,7 +99,7 @@ def check(args: argparse.Namespace) -> None:
             f"{option} needs a real model (--model package.module:builder or --hf TYPE); "
             "--params plans the model state of one step only"
         )
-    if args.sync_each_micro_step and args.grad_accum == 1:
+    if args.sync_each_micro_step is not None and args.grad_accum == 1:
         raise CommandError(
             "--sync-each-micro-step says when K micro-steps reduce: pass --grad-accum K (K > 1)"
         )
@@ -116,8 +111,8 @@ def default_strategies(args: argparse.Namespace, names: list[str]) -> list[str]:
         return names
     if args.trainable is not None:
         names = [n for n in names if n in FROZEN_STRATEGIES]
-    if args.grad_accum > 1:
-        # FSDP1's no_sync() in bf16 is not planned: its fp32 plans only.
+    if args.grad_accum > 1 and args.sync_each_micro_step is not None:
+        # A sync asked for is planned for these only; FSDP1's no_sync() in bf16 is not.
         held_back = args.precision == "mixed" and not args.sync_each_micro_step
         usable = [n for n in ACCUMULATION_STRATEGIES if not (held_back and n == "fsdp")]
         names = [n for n in names if n in usable]

@@ -18,6 +18,7 @@ HANDLED_SETTINGS = frozenset(
         "shard_group",
         "reshard_after_forward",
         "offload_policy",
+        "offload",
         "cpu_offload",
         "stage",
         "offload_optimizer",
@@ -60,7 +61,7 @@ def recipe_for(strategy: str) -> str:
         grad_op = settings.get("sharding_strategy") == "SHARD_GRAD_OP"
         if grad_op or settings.get("reshard_after_forward") is False:
             flags.append("--no-reshard-after-forward")
-        if settings.get("offload_policy") or settings.get("cpu_offload"):
+        if settings.get("offload_policy") or settings.get("offload") or settings.get("cpu_offload"):
             flags.append("--cpu-offload")
     else:  # DeepSpeed, and the other optimizer- and gradient-sharding engines
         script, engine = "deepspeed_zero3_finetune.py", "deepspeed"

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fsdp_guide.catalog import get_strategy
-from fsdp_guide.engines import ModelShape, engine_for
+from fsdp_guide.engines import Engine, ModelShape, engine_for
 from fsdp_guide.launcher import check_world_size
 
 _DTYPE_SIZES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp64": 8}
@@ -54,9 +54,13 @@ class CommPrediction:
         once: Payload elements per kind issued once, outside the steady step (DDP's
             broadcasts when it wraps the model and when it regroups its buckets); known
             when the model's shape is given, else empty.
-        element_sizes: Bytes per element of a kind that is not sent at ``element_size``:
-            FSDP2's reduce-scatter in fp32 under ``MixedPrecisionPolicy(reduce_dtype=fp32)``
-            while its all-gathers carry bf16.
+        element_sizes: Bytes per element of a kind, where it is not ``element_size``: the
+            gradients' collectives carry the reduce precision (fp32 under FSDP2's
+            ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``), the parameters' the
+            compute precision.
+        inter_node: The kinds whose group spans more than one node (given the GPUs per
+            node): their wire bytes cross the network between nodes, the others stay on
+            a node's own links.
     """
 
     strategy: str
@@ -68,26 +72,48 @@ class CommPrediction:
     paper_elements: int = 0
     once: Mapping[str, int] = field(default_factory=dict)
     element_sizes: Mapping[str, int] = field(default_factory=dict)
-
-    def kind_bytes(self, kind: str) -> int:
-        """Payload bytes of one kind.
-
-        Examples:
-            >>> fsdp = predict_communication("fsdp2", 1000, 2, "bf16")
-            >>> fsdp.kind_bytes("all_gather"), fsdp.kind_bytes("reduce_scatter")
-            (4000, 2000)
-        """
-        return self.payload.get(kind, 0) * self.element_sizes.get(kind, self.element_size)
+    inter_node: tuple[str, ...] = ()
 
     @property
     def payload_elements(self) -> int:
         """The payload elements of every kind together."""
         return sum(self.payload.values())
 
+    def bytes_per_element(self, kind: str) -> int:
+        """Bytes per element of ``kind``'s collectives."""
+        return self.element_sizes.get(kind, self.element_size)
+
     @property
     def payload_bytes(self) -> int:
-        """The payload bytes of every kind together, what ``count_collectives`` measures."""
-        return sum(self.kind_bytes(kind) for kind in self.payload)
+        """Payload bytes of every kind together, what ``count_collectives`` measures: the
+        tensor all-reduced, the full tensor reduce-scattered, all-gathered or broadcast.
+
+        Examples:
+            >>> fsdp2 = predict_communication("fsdp2", 1000, 2, "bf16", reduce_dtype="fp32")
+            >>> fsdp2.payload_bytes  # 1000 gradients in fp32, 2000 parameters in bf16
+            8000
+        """
+        return sum(n * self.bytes_per_element(k) for k, n in self.payload.items())
+
+    def wire_bytes(self, algorithm: Literal["ring", "gloo"] = "ring", link: str = "") -> float:
+        """Bytes this rank sends on the wire in one step (:meth:`wire_elements`, in bytes):
+        ``2(g-1)/g`` of an all-reduce's payload, ``(g-1)/g`` of an all-gather's, a
+        reduce-scatter's or a broadcast's, over a group of ``g`` ranks. ``link``:
+        ``"inter"`` counts the kinds whose group spans nodes (:attr:`inter_node`),
+        ``"intra"`` the others, ``""`` all.
+
+        Examples:
+            >>> ddp = predict_communication("ddp", 1000, 8)  # 4000 bytes all-reduced
+            >>> ddp.payload_bytes, ddp.wire_bytes()
+            (4000, 7000.0)
+        """
+        total = 0.0
+        for kind, elements in self.payload.items():
+            crosses = kind in self.inter_node
+            if (link == "inter" and not crosses) or (link == "intra" and crosses):
+                continue
+            total += self.bytes_per_element(kind) * self._wire(kind, elements, algorithm)
+        return total
 
     @property
     def paper_bytes(self) -> int:
@@ -118,12 +144,12 @@ class CommPrediction:
             >>> fsdp.wire_elements(), fsdp.wire_elements("gloo")
             (1000.0, 1500.0)
         """
-        total = 0.0
-        for kind, elements in self.payload.items():
-            g = self.group_sizes.get(kind, self.world_size)
-            twice = kind == "all_reduce" or (algorithm == "gloo" and kind == "reduce_scatter")
-            total += elements * (2 if twice else 1) * (g - 1) / g
-        return total
+        return sum(self._wire(k, n, algorithm) for k, n in self.payload.items())
+
+    def _wire(self, kind: str, elements: int, algorithm: str) -> float:
+        g = self.group_sizes.get(kind, self.world_size)
+        twice = kind == "all_reduce" or (algorithm == "gloo" and kind == "reduce_scatter")
+        return elements * (2 if twice else 1) * (g - 1) / g
 
 
 def _element_size(dtype: torch.dtype | str) -> int:
@@ -143,6 +169,9 @@ def predict_communication(
     dtype: torch.dtype | str = "fp32",
     root_unit_params: int = 0,
     shape: ModelShape | None = None,
+    reduce_dtype: torch.dtype | str | None = None,
+    gpus_per_node: int | None = None,
+    engine: Engine | None = None,
 ) -> CommPrediction:
     """Payload per collective kind that one rank issues in one training step, and ZeRO's figure.
 
@@ -197,6 +226,13 @@ def predict_communication(
             chunks and of DeepSpeed's partitions, and DDP's broadcast of the buffers before
             each forward (BatchNorm statistics, position ids). It gives ``Ψ`` and ``R``:
             ``num_params`` must equal its ``Ψ``, ``root_unit_params`` is not read.
+        reduce_dtype: What the gradients' collectives (all-reduce, reduce-scatter, reduce)
+            carry, where it is not ``dtype``: FSDP2's ``MixedPrecisionPolicy(reduce_dtype=)``.
+        gpus_per_node: GPUs of a node: a collective whose group spans more than one node is
+            counted in :attr:`CommPrediction.inter_node` (HSDP's all-reduce across the
+            replicas; every collective of a group larger than a node).
+        engine: The strategy's engine with other settings than the catalog row's (a
+            DeepSpeed ZeRO-3 reuse distance, say); by default the row's.
 
     Returns:
         A ``CommPrediction``.
@@ -241,7 +277,7 @@ def predict_communication(
     else:
         spec = get_strategy(strategy)
         stage, name = spec.zero_stage, spec.name
-        engine = engine_for(spec)
+        engine = engine or engine_for(spec)
         issued = (
             engine.collectives(psi, world_size, root_unit_params)
             if shape is None
@@ -250,6 +286,22 @@ def predict_communication(
         payload, groups = dict(issued.payload), dict(issued.groups)
         if shape is not None:
             once = dict(engine.once_collectives(shape, world_size).payload)
+    sizes: dict[str, int] = {}
+    if reduce_dtype is not None:
+        reduced = _element_size(reduce_dtype)
+        sizes = {k: reduced for k in payload if k in _GRADIENT_KINDS and reduced != size}
+    crossing: tuple[str, ...] = ()
+    if gpus_per_node is not None:
+        replicas = world_size // max(groups.get("reduce_scatter", world_size), 1)
+        crossing = tuple(
+            kind
+            for kind in payload
+            if (
+                replicas > 1 and world_size > gpus_per_node
+                if kind == "all_reduce" and kind in groups
+                else groups.get(kind, world_size) > gpus_per_node
+            )
+        )
     return CommPrediction(
         strategy=name,
         num_params=psi,
@@ -259,7 +311,13 @@ def predict_communication(
         group_sizes=groups,
         paper_elements=(3 if stage == 3 else 2) * psi,
         once=once,
+        element_sizes=sizes,
+        inter_node=crossing,
     )
+
+
+#: The collectives that carry gradients, in the reduce precision.
+_GRADIENT_KINDS = frozenset({"all_reduce", "reduce_scatter", "reduce"})
 
 
 _Payload = tuple[dict[str, int], dict[str, int]]

@@ -52,6 +52,7 @@ from fsdp_guide.engines._step import Gathered as Gathered
 from fsdp_guide.engines._step import ModuleCalls as ModuleCalls
 from fsdp_guide.engines._step import StepPeak as StepPeak
 from fsdp_guide.engines._step import StepSizes as StepSizes
+from fsdp_guide.engines._step import Stretch as Stretch
 from fsdp_guide.engines._step import module_calls as module_calls
 from fsdp_guide.engines._units import UNIT_RULES as UNIT_RULES
 from fsdp_guide.engines._units import UnitEngine, model_shape

@@ -12,6 +12,7 @@ Its answers are the records of ``_records.py``, counted in elements, not bytes.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from torch import nn
 
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
-from fsdp_guide.engines._step import Gathered, StepPeak, StepSizes
+from fsdp_guide.engines._step import Gathered, StepPeak, StepSizes, highest
 
 #: What :meth:`Engine.build` returns: the module to train and its optimizer. A DeepSpeed
 #: engine's optimizer is DeepSpeed's ZeRO optimizer, typed as the torch optimizer it wraps.
@@ -87,6 +88,10 @@ class Engine(ABC):
     #: backward; ``"params"`` (FSDP's ``MixedPrecision``, FSDP2's ``MixedPrecisionPolicy``,
     #: DeepSpeed's ``bf16``): the parameters themselves are cast, the forward's inputs too.
     mixed_precision: ClassVar[str] = "autocast"
+    #: Whether each micro-batch of gradient accumulation issues the step's collectives
+    #: (FSDP and DeepSpeed ZeRO-2/3 reduce every micro-batch's gradients); ``False`` where
+    #: the gradients are reduced once per optimizer step (DDP under ``no_sync()``).
+    syncs_every_microbatch: ClassVar[bool] = True
     #: ``True`` where bf16 mixed precision keeps the state in fp32 and computes on bf16
     #: copies, as torch's autocast, FSDP's ``MixedPrecision``, FSDP2's
     #: ``MixedPrecisionPolicy`` and FairScale do; ``False`` for DeepSpeed, whose bf16
@@ -199,6 +204,30 @@ class Engine(ABC):
         whole run); by default as the gradients do."""
         return self.grads_between_steps
 
+    def host_layout(self, layout: Layout) -> Layout:
+        """The part of a rank's :meth:`layout` kept in host memory (offloaded), in elements:
+        nothing, unless the engine offloads.
+
+        Examples:
+            >>> from fsdp_guide.engines import DDP
+            >>> DDP().host_layout(Layout(params=4, grads=4, optimizer=4, steps=1)).params
+            0
+        """
+        return Layout(params=0, grads=0, optimizer=0, steps=0)
+
+    @property
+    def steps_on_host(self) -> bool:
+        """Whether the optimizer steps in host memory (an offloaded optimizer): its step
+        then holds nothing more on the accelerator."""
+        return False
+
+    @property
+    def step_gradient_fields(self) -> tuple[str, ...]:
+        """The fields of a rank's model state (``"grads"``, ``"master"``, ...) whose size
+        the optimizer step holds as gradients beyond the state kept between steps: the
+        gradients, unless they stay allocated between steps."""
+        return () if self.grads_between_steps else ("grads",)
+
     def gathered(self, sizes: StepSizes, world_size: int) -> Gathered | None:
         """Whole parameters the engine keeps beyond its shards, where its planner reports
         them apart from :meth:`transient` (DeepSpeed ZeRO-3); ``None`` for the others,
@@ -213,8 +242,8 @@ class Engine(ABC):
     def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
         """The peak of a steady training step, beyond the state kept between steps.
 
-        The default, an upper bound: every activation saved in forward still held when
-        backward has written every gradient.
+        The default, an upper bound: the most activations backward holds while it has
+        written every gradient; or the optimizer step, if that holds more.
 
         Args:
             sizes: The sizes of the model and its activations.
@@ -227,11 +256,17 @@ class Engine(ABC):
             >>> Plain().step_peak(sizes, 2).bytes
             450
         """
-        return StepPeak(
-            bytes=sizes.activations + sizes.grads,
+        backward = StepPeak(
+            bytes=sizes.backward_activations + sizes.grads,
             phase="backward",
             kind="activations + every gradient",
         )
+        return highest(backward, sizes.optimizer_step())
+
+    def stepped_tensors(self, shape: ModelShape, world_size: int) -> list[int]:
+        """Elements of each tensor this engine's optimizer steps on a rank, in its order
+        (the parameters, unless the engine flattens or shards them)."""
+        return [math.prod(s) for s in shape.shapes]
 
     @abstractmethod
     def collectives(
@@ -278,11 +313,6 @@ class Engine(ABC):
             ValueError: For an optimizer the engine does not use.
         """
         return optimizer
-
-    def reduce_bytes(self, comm_bytes: int) -> int:
-        """Bytes per element of the gradient reductions when the other collectives carry
-        ``comm_bytes``: the same, unless the engine reduces in another dtype."""
-        return comm_bytes
 
     def held_grads(self, module: nn.Module) -> list[torch.Tensor]:
         """Gradients a rank holds that no parameter's ``.grad`` shows: FSDP2's unsharded

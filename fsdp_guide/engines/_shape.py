@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from fsdp_guide.engines._step import ModuleCalls
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,6 +17,9 @@ class ModelShape:
             is not cut into units is one root unit). A shared parameter is in one unit only.
         buffers: Elements of the model's buffers (BatchNorm statistics, position ids), which
             DDP broadcasts from rank 0 before every forward.
+        calls: The order forward runs the modules in, with their parameters, where an
+            engine's collectives follow it (DeepSpeed ZeRO-3 gathers again what it released);
+            ``None`` where not known.
 
     Examples:
         >>> shape = ModelShape(units=(((4, 2),), ((3,), (5, 5))), buffers=7)
@@ -24,6 +29,7 @@ class ModelShape:
 
     units: tuple[tuple[tuple[int, ...], ...], ...]
     buffers: int = 0
+    calls: ModuleCalls | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_params(self) -> int:

@@ -19,6 +19,7 @@ from torch import nn
 
 from fsdp_guide.engines._base import Engine
 from fsdp_guide.engines._shape import ModelShape
+from fsdp_guide.engines._step import module_calls
 
 
 class UnitPolicy(Protocol):
@@ -244,7 +245,9 @@ def model_shape(
         (3, 17472, 0)
     """
     units = unit_shapes(model, unit_names(model, rule), trainable_only=trainable_only)
-    return ModelShape(units=units, buffers=sum(b.numel() for b in model.buffers()))
+    return ModelShape(
+        units=units, buffers=sum(b.numel() for b in model.buffers()), calls=module_calls(model)
+    )
 
 
 def follows_units(engine: Engine) -> bool:

@@ -68,6 +68,75 @@ def zero3_gathered(
         >>> zero3_gathered(calls, prefetch_bucket=0, reuse_distance=10_000)  # the last only
         (10100, 10100)
     """
+    after_forward, peak, _ = _replay(
+        calls, prefetch_bucket, reuse_distance, max_live, param_threshold, model_threshold
+    )
+    return after_forward, peak
+
+
+def zero3_fetched(
+    calls: ModuleCalls,
+    *,
+    prefetch_bucket: int,
+    reuse_distance: int = DEFAULT_REUSE_DISTANCE,
+    max_live: int = DEFAULT_MAX_LIVE,
+    param_threshold: int = 0,
+    model_threshold: int = 2**63 - 1,
+) -> list[int]:
+    """The parameters (indices into ``calls.numels``) a steady step all-gathers, once per
+    gather: each when a module needs it and it is not held, or when the prefetcher reaches
+    it. Below the reuse distance a small model gathers each parameter once; past it,
+    backward gathers again what forward released.
+
+    Examples:
+        >>> from torch import nn
+        >>> from fsdp_guide.engines import module_calls
+        >>> calls = module_calls(nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 100)))
+        >>> len(zero3_fetched(calls, prefetch_bucket=0))  # 2 weights, 2 biases, once each
+        4
+        >>> len(zero3_fetched(calls, prefetch_bucket=0, reuse_distance=10_000))  # the first again
+        6
+    """
+    return _replay(
+        calls, prefetch_bucket, reuse_distance, max_live, param_threshold, model_threshold
+    )[2]
+
+
+def _replay(
+    calls: ModuleCalls,
+    prefetch_bucket: int,
+    reuse_distance: int,
+    max_live: int,
+    param_threshold: int,
+    model_threshold: int,
+) -> tuple[int, int, list[int]]:
+    """Replay a steady step: (held when forward returns, the most held until backward's first
+    module with parameters ends, every parameter gathered)."""
+    totals: list[int] = []
+    _walk(
+        calls,
+        totals,
+        prefetch_bucket=prefetch_bucket,
+        reuse_distance=reuse_distance,
+        max_live=max_live,
+        param_threshold=param_threshold,
+        model_threshold=model_threshold,
+    )
+    return totals[0], totals[1], totals[2:]
+
+
+def _walk(
+    calls: ModuleCalls,
+    totals: list[int],
+    *,
+    prefetch_bucket: int,
+    reuse_distance: int = DEFAULT_REUSE_DISTANCE,
+    max_live: int = DEFAULT_MAX_LIVE,
+    param_threshold: int = 0,
+    model_threshold: int = 2**63 - 1,
+) -> None:
+    """The coordinator's walk over forward and backward; ``totals`` gets what
+    :func:`_replay` returns."""
     numels = calls.numels
     backward = [(module, not entering) for module, entering in reversed(calls.events)]
     events = [*calls.events, *backward]  # (module, starts)
@@ -85,6 +154,7 @@ def zero3_gathered(
     )
     kept = persistent(calls, param_threshold, model_threshold)
     gathered: set[int] = set()
+    fetched: list[int] = []  # every all-gather, in order
     active = [0] * len(numels)
     seen = [-(10**18)] * len(numels)  # the latest use the prefetcher has walked past
     held = n_available = step = 0
@@ -95,6 +165,7 @@ def zero3_gathered(
             gathered.add(param)
             held += numels[param]
             n_available += numels[param]
+            fetched.append(param)
 
     def reused(param: int, at: int) -> bool:
         later = uses[param]
@@ -139,6 +210,7 @@ def zero3_gathered(
 
     always = sum(numels[p] for p in kept)
     after_forward = peak = 0
+    first_done = False
     for number, (module, starts) in enumerate(events):
         if number == len(calls.events):
             after_forward = peak = held
@@ -146,8 +218,8 @@ def zero3_gathered(
             start(module)
         else:
             if number >= len(calls.events) and calls.modules[module]:
-                break  # backward's first module with parameters is done
+                first_done = True  # backward's first module with parameters is done
             end(module)
-        if number >= len(calls.events):
+        if number >= len(calls.events) and not first_done:
             peak = max(peak, held)
-    return after_forward + always, peak + always
+    totals[:] = [after_forward + always, peak + always, *fetched]

@@ -29,7 +29,7 @@ from torch import nn
 from fsdp_guide.engines._base import Built, Engine, adam, replicated
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
-from fsdp_guide.engines._step import StepPeak, StepSizes
+from fsdp_guide.engines._step import StepPeak, StepSizes, highest
 
 # Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
 __all__: list[str] = []
@@ -54,6 +54,7 @@ class DDP(Engine):
 
     name = "ddp"
     title = "PyTorch DDP"
+    syncs_every_microbatch = False  # no_sync() until the last micro-batch
     loads_dcp = True
     broadcasts_buffers = True
 
@@ -133,31 +134,63 @@ class DDP(Engine):
     def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
         """What a steady step adds to the state kept between steps (the buckets included).
 
-        Views of the buckets: the gradients land in memory already held, so backward adds
-        its activations only. A second copy: backward allocates the gradients while it frees
-        the activations, layer by layer, so the step holds the larger of the two at once:
-        every activation at the start of backward, or every gradient from its end through
-        the optimizer step until ``zero_grad()``.
+        Forward: the activations it holds at most. Backward, with the gradients views of
+        the buckets: each gradient lands in memory already held, once autograd's fresh
+        gradient has been added to it, so backward holds its activations and one fresh
+        gradient at most. With the buckets a second copy, the gradients come as backward
+        goes, each freed only by ``zero_grad()``: in each stretch of backward, the
+        activations, the gradients of the stretches before it and one of its own. The
+        optimizer step reads every gradient (a second copy) and allocates its temporaries.
+        Without a traced profile: every activation in backward, or every gradient from the
+        end of backward through the optimizer step.
 
         Examples:
+            >>> from fsdp_guide.engines import Stretch
             >>> sizes = StepSizes(params=400, grads=400, largest_unit=100,
             ...                   largest_unit_grads=100, root_unit=0, activations=50)
             >>> DDP().step_peak(sizes, 2).bytes
             50
             >>> DDP(gradient_as_bucket_view=False).step_peak(sizes, 2).phase
             'optimizer step'
+            >>> traced = replace(sizes, stretches=(
+            ...     Stretch(unit=False, start=50, peak=60, grads=100, largest_grad=100),
+            ...     Stretch(unit=True, start=40, peak=70, grads=300, largest_grad=200)))
+            >>> DDP().step_peak(traced, 2).bytes, DDP(False).step_peak(traced, 2).bytes
+            (270, 370)
         """
-        if self.gradient_as_bucket_view or sizes.activations >= sizes.grads:
-            return StepPeak(
-                bytes=sizes.activations,
-                phase="backward",
-                kind="activations (the gradients fill the kept buckets)"
-                if self.gradient_as_bucket_view
-                else "activations (the gradients replace them as backward goes)",
-            )
-        return StepPeak(
-            bytes=sizes.grads, phase="optimizer step", kind="every gradient, beside the buckets"
+        view = self.gradient_as_bucket_view
+        forward = StepPeak(
+            bytes=sizes.forward_peak, phase="forward", kind="activations and temporaries"
         )
+        step = sizes.optimizer_step()
+        if not sizes.stretches:
+            if view or sizes.activations >= sizes.grads:
+                backward = StepPeak(
+                    bytes=sizes.activations,
+                    phase="backward",
+                    kind="activations (the gradients fill the kept buckets)"
+                    if view
+                    else "activations (the gradients replace them as backward goes)",
+                )
+            else:
+                backward = StepPeak(
+                    bytes=sizes.grads,
+                    phase="optimizer step",
+                    kind="every gradient, beside the buckets",
+                )
+            return highest(backward, step if sizes.step_grads or view else None)
+        done, best = 0, 0
+        for stretch in sizes.stretches:
+            best = max(best, stretch.peak + (0 if view else done) + stretch.largest_grad)
+            done += stretch.grads
+        backward = StepPeak(
+            bytes=best,
+            phase="backward",
+            kind="activations + a fresh gradient (added to its bucket)"
+            if view
+            else "activations + the gradients so far, beside the buckets",
+        )
+        return highest(forward, backward, step)
 
     def transient(
         self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int

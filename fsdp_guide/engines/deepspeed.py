@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -40,8 +40,13 @@ from fsdp_guide.engines._deepspeed_state import (
 )
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
-from fsdp_guide.engines._step import Gathered, StepPeak, StepSizes
-from fsdp_guide.engines._zero3 import DEFAULT_MAX_LIVE, DEFAULT_REUSE_DISTANCE, zero3_gathered
+from fsdp_guide.engines._step import Gathered, StepPeak, StepSizes, highest
+from fsdp_guide.engines._zero3 import (
+    DEFAULT_MAX_LIVE,
+    DEFAULT_REUSE_DISTANCE,
+    zero3_fetched,
+    zero3_gathered,
+)
 
 # Private: readers get an engine from fsdp_guide.engines.engine_for, not by its class.
 __all__: list[str] = []
@@ -190,10 +195,67 @@ class DeepSpeedZero(Engine):
         """
         return None if self.stage == 0 else self.layout(shapes, world_size)
 
+    def host_layout(self, layout: Layout) -> Layout:
+        """What offload keeps in host memory, as DeepSpeed allocates it.
+
+        ``offload_optimizer``: the fp32 master copy, its gradient, Adam's state and step;
+        at stages 1 and 2 also the 16-bit partition the step writes for the all-gather and
+        one of the two staging buffers of the largest tensor (the other is on the
+        accelerator); at stage 3 also the gradient partitions. ``offload_params``: ZeRO-3's
+        16-bit parameter shards. The reduce bucket stays on the accelerator.
+
+        Examples:
+            >>> one = deepspeed_layout([1000, 10], 4, 2, offload_optimizer=True)
+            >>> host = DeepSpeedZero(stage=2, offload_optimizer=True).host_layout(one)
+            >>> (host.params, host.master, host.buckets), (one.params, one.buckets)
+            ((254, 254, 1000), (1270, 2000))
+        """
+        if not self.offload_optimizer:
+            return super().host_layout(layout)
+        moved = Layout(
+            params=0,
+            grads=layout.grads if self.stage == 3 else 0,
+            optimizer=layout.optimizer,
+            steps=layout.steps,
+            master=layout.master,
+            master_grads=layout.master_grads,
+        )
+        if self.stage == 3:
+            return replace(moved, params=layout.params if self.offload_params else 0)
+        # Stages 1 and 2: the partition waiting for the all-gather, a staging buffer.
+        return replace(moved, params=layout.master, buckets=layout.buckets // 2)
+
+    @property
+    def steps_on_host(self) -> bool:
+        return self.offload_optimizer
+
+    @property
+    def syncs_every_microbatch(self) -> bool:  # type: ignore[override]
+        """ZeRO-2 and 3 reduce every micro-batch's gradients; 0 and 1 at the boundary."""
+        return self.stage >= 2
+
     @property
     def grads_between_steps(self) -> bool:
         """ZeRO-3 keeps its gradient partitions and reduce bucket for the whole run."""
         return self.stage == 3
+
+    def stepped_tensors(self, shape: ModelShape, world_size: int) -> list[int]:
+        """The rank's flat fp32 partition (stages 1-3), which torch's Adam steps as one tensor.
+
+        Examples:
+            >>> DeepSpeedZero(stage=3).stepped_tensors(ModelShape(units=(((1000,), (10,)),)), 4)
+            [253]
+        """
+        if self.stage == 0:
+            return super().stepped_tensors(shape, world_size)
+        numels = [math.prod(s) for s in shape.shapes]
+        return [self.own_formula(numels, world_size).master]
+
+    @property
+    def step_gradient_fields(self) -> tuple[str, ...]:
+        """The step makes an fp32 gradient of the master partition (ZeRO-1 to 3); stage 0
+        is torch's optimizer over the gradients."""
+        return ("master",) if self.stage else ("grads",)
 
     def gathered(self, sizes: StepSizes, world_size: int) -> Gathered | None:
         """ZeRO-3: the parameters left gathered when forward returns, and as backward starts.
@@ -235,6 +297,8 @@ class DeepSpeedZero(Engine):
         """
         if self.stage != 3 or sizes.calls is None or sizes.calls.num_params == 0:
             return None
+        if world_size == 1:  # a rank's partition is the whole parameter: nothing to gather
+            return Gathered(after_forward=0, peak=0, kind="nothing gathered at one rank")
         per = sizes.params // sizes.calls.num_params  # bytes per gathered element
         after_forward, peak = zero3_gathered(
             sizes.calls,
@@ -251,10 +315,13 @@ class DeepSpeedZero(Engine):
         )
 
     def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
-        """ZeRO-3: every activation and the parameters gathered as backward starts
-        (:meth:`gathered`; every parameter where the modules are not known). ZeRO-0/1/2:
-        every activation and every gradient, an upper bound (DeepSpeed reduces and frees
-        gradients bucket by bucket while backward frees activations).
+        """ZeRO-3: forward's activations with the parameters still gathered when it ends,
+        backward's with those gathered as it starts (:meth:`gathered`; every parameter
+        where the modules are not known), and the optimizer step, which makes an fp32
+        gradient of the master partition (:attr:`StepSizes.step_grads`) and allocates the
+        optimizer's temporaries. ZeRO-0/1/2: every activation and every gradient, an upper
+        bound (DeepSpeed reduces and frees gradients bucket by bucket while backward frees
+        activations), or the optimizer step.
 
         Examples:
             >>> sizes = StepSizes(params=1000, grads=1000, largest_unit=200,
@@ -262,14 +329,24 @@ class DeepSpeedZero(Engine):
             >>> DeepSpeedZero(stage=3).step_peak(sizes, 2).bytes
             1500
         """
-        if self.stage == 3:
-            gathered = self.gathered(sizes, world_size)
-            return StepPeak(
-                bytes=sizes.activations + (sizes.params if gathered is None else gathered.peak),
-                phase="backward",
-                kind="activations + parameters gathered for reuse and prefetched",
-            )
-        return super().step_peak(sizes, world_size)
+        if self.stage != 3:
+            return super().step_peak(sizes, world_size)
+        gathered = self.gathered(sizes, world_size)
+        after_forward = sizes.params if gathered is None else gathered.after_forward
+        at_backward = sizes.params if gathered is None else gathered.peak
+        forward = StepPeak(
+            bytes=sizes.forward_peak + after_forward,
+            phase="forward",
+            kind="activations + parameters kept gathered for reuse",
+        )
+        backward = StepPeak(
+            bytes=sizes.backward_activations + at_backward,
+            phase="backward",
+            kind="activations + parameters gathered for reuse and prefetched",
+        )
+        return highest(
+            forward, backward, sizes.optimizer_step(kind="the master partition's fp32 gradient")
+        )
 
     def transient(
         self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int
@@ -296,17 +373,40 @@ class DeepSpeedZero(Engine):
         return Collectives(payload={"all_reduce": num_params + 1, "all_gather": padded})
 
     def step_collectives(self, shape: ModelShape, world_size: int) -> Collectives:
-        """ZeRO-3 pads each tensor to a multiple of the ranks.
+        """ZeRO-3 pads each tensor to a multiple of the ranks, and gathers what its parameter
+        coordinator fetches over the step (:func:`zero3_fetched`, where the modules' order
+        is known): each parameter once while the model is below ``max_reuse_distance`` and
+        the live limit, and again in backward what forward released past them.
 
         Examples:
             >>> shape = ModelShape(units=(((3,), (4,)),))
             >>> DeepSpeedZero(stage=3).step_collectives(shape, 2).payload
             {'reduce_scatter': 8, 'all_gather': 8, 'all_reduce': 1}
+            >>> from torch import nn
+            >>> from fsdp_guide.engines import model_shape
+            >>> two = model_shape(nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 100)))
+            >>> [DeepSpeedZero(stage=3, max_reuse_distance=d, prefetch_bucket_size=0)
+            ...  .step_collectives(two, 2).payload["all_gather"] for d in (10**9, 10**4)]
+            [20200, 30300]
         """
         if self.stage != 3:
             return super().step_collectives(shape, world_size)
-        padded = sum(-(-math.prod(s) // world_size) * world_size for s in shape.shapes)
-        return self.collectives(padded, world_size)
+        numels = [math.prod(s) for s in shape.shapes]
+        padded = sum(-(-n // world_size) * world_size for n in numels)
+        issued = self.collectives(padded, world_size)
+        calls = shape.calls
+        if calls is None or world_size == 1 or sorted(calls.numels) != sorted(numels):
+            return issued
+        fetched = zero3_fetched(
+            calls,
+            prefetch_bucket=self.prefetch_bucket_size,
+            reuse_distance=self.max_reuse_distance,
+            max_live=self.max_live_parameters,
+            param_threshold=self.param_persistence_threshold,
+            model_threshold=self.model_persistence_threshold,
+        )
+        gathered = sum(-(-calls.numels[p] // world_size) * world_size for p in fetched)
+        return Collectives(payload={**issued.payload, "all_gather": gathered})
 
     def optimizer_of(self, module: nn.Module, optimizer: object) -> Any:
         return engine_optimizer(module, optimizer) if is_deepspeed_engine(module) else optimizer

@@ -30,7 +30,7 @@ from fsdp_guide.engines._base import Built, adam, fully_sharded, replicated
 from fsdp_guide.engines._checkpoint import TorchStateDict
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
-from fsdp_guide.engines._step import StepPeak, StepSizes
+from fsdp_guide.engines._step import StepPeak, StepSizes, highest
 from fsdp_guide.engines._units import (
     UNIT_RULES,
     UnitEngine,
@@ -205,7 +205,74 @@ class FSDP1(TorchStateDict, UnitEngine):
         one = Layout(params=flat, grads=flat, optimizer=flat, steps=len(sizes))
         return replicated(world_size, one)
 
+    def stepped_tensors(self, shape: ModelShape, world_size: int) -> list[int]:
+        """Each unit's flat parameter shard (whole at one rank or with ``NO_SHARD``).
+
+        Examples:
+            >>> FSDP1().stepped_tensors(ModelShape(units=(((3,),), ((5, 2),))), 2)
+            [2, 5]
+        """
+        sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
+        group = self.shard_group_size(world_size) if self.stage_at_step >= 3 else 1
+        return [-(-size // group) for size in sizes if size]
+
     def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
+        """The most a step holds beyond the state kept between steps, moment by moment.
+
+        With the activations traced over the step (:attr:`StepSizes.stretches`), the
+        largest of forward (its activations, the root, the running block), each block's
+        backward (its activations, the root, the blocks gathered, the last block's unsharded
+        gradients as they replace its activations, the sharded gradients of the blocks
+        done: FSDP1 waits for each reduce-scatter before the next block), and the
+        optimizer step (the sharded gradients, the optimizer's temporaries). ``NO_SHARD``,
+        which FSDP1 also runs at one rank: the gradients kept as they come, as one process
+        does. Without a traced profile, the moments of :meth:`_untraced_peak`.
+
+        Examples:
+            >>> from fsdp_guide.engines import Stretch
+            >>> sizes = StepSizes(params=1000, grads=1000, largest_unit=200,
+            ...                   largest_unit_grads=200, root_unit=200, activations=300,
+            ...                   blocks=4, stretches=(
+            ...     Stretch(unit=False, start=300, peak=320, grads=0, largest_grad=0),
+            ...     Stretch(unit=True, start=280, peak=300, grads=200, largest_grad=200),
+            ...     Stretch(unit=True, start=210, peak=230, grads=200, largest_grad=200)))
+            >>> FSDP1().step_peak(sizes, 2).bytes  # 280 + 200 + root + 2 blocks
+            1080
+            >>> FSDP1().step_peak(sizes, 1).bytes  # as one process: 230 + 200 + 200
+            630
+        """
+        if not sizes.stretches or (self.sharding_strategy == "SHARD_GRAD_OP" and world_size > 1):
+            return self._untraced_peak(sizes, world_size)
+        step = sizes.optimizer_step()
+        if self.stage_at_step == 0 or world_size == 1:
+            return highest(sizes.piled(), step)
+        unit, grads, root = sizes.largest_unit, sizes.largest_unit_grads, sizes.root_unit
+        blocks = (2 if self.backward_prefetch == "BACKWARD_PRE" else 1) + self.forward_prefetch
+        gathered = root + blocks * unit
+        shard = grads // world_size
+        forward = StepPeak(bytes=0, phase="forward", kind="")
+        for stretch in sizes.forward:
+            running = root + ((1 + self.forward_prefetch) * unit if stretch.unit else 0)
+            if stretch.peak + running > forward.bytes:
+                forward = StepPeak(
+                    bytes=stretch.peak + running,
+                    phase="forward",
+                    kind="activations + root + the blocks gathered",
+                )
+        best = StepPeak(bytes=0, phase="backward", kind="")
+        for j, stretch in enumerate(sizes.units_backward):
+            own = max(stretch.peak, stretch.start + grads) if j == 0 else stretch.peak
+            held = own + gathered + j * shard + sizes.head_grads
+            if held > best.bytes:
+                best = StepPeak(
+                    bytes=held,
+                    phase="backward",
+                    kind=f"a block's backward: activations + root + {blocks} gathered "
+                    "block(s) + its gradients + the shards done",
+                )
+        return highest(forward, best, step)
+
+    def _untraced_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
         """The peak of a step with a unit per block (``shard(model, policy=LayerPolicy(Block))``).
 
         At the start of backward: every activation, the root's parameters, the blocks

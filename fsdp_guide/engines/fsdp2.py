@@ -34,7 +34,7 @@ from fsdp_guide.engines._base import Built, adam, fully_sharded
 from fsdp_guide.engines._checkpoint import TorchStateDict, kept_fresh, without_state
 from fsdp_guide.engines._records import Collectives, Layout, Transient
 from fsdp_guide.engines._shape import ModelShape
-from fsdp_guide.engines._step import StepPeak, StepSizes
+from fsdp_guide.engines._step import StepPeak, StepSizes, highest
 from fsdp_guide.engines._units import (
     UNIT_RULES,
     UnitEngine,
@@ -144,9 +144,9 @@ class FSDP2(TorchStateDict, UnitEngine):
         backward_prefetch: How many of the blocks backward reaches next each block gathers
             as its backward starts (``FSDPModule.set_modules_to_backward_prefetch``); ``0``
             leaves FSDP2's own: the next one.
-        reduce_dtype: In mixed precision, what the gradient reductions (and the unsharded
-            gradients kept for accumulation) carry: ``None``, the bf16 parameters' dtype;
-            ``"fp32"``, as ``MixedPrecisionPolicy(..., reduce_dtype=torch.float32)``.
+        offload: ``fully_shard``'s ``offload_policy=CPUOffloadPolicy()``: the parameter and
+            gradient shards in host memory, where the optimizer steps them; each block is
+            copied to the accelerator to be gathered.
 
     Examples:
         >>> hsdp = FSDP2(shard_group=2)
@@ -167,11 +167,9 @@ class FSDP2(TorchStateDict, UnitEngine):
     reshard_after_forward: bool | int = True
     forward_prefetch: int = 0
     backward_prefetch: int = 0
-    reduce_dtype: str | None = None
+    offload: bool = False
 
     def __post_init__(self) -> None:
-        if self.reduce_dtype not in (None, "fp32"):
-            raise ValueError(f"reduce_dtype must be None or 'fp32', got {self.reduce_dtype!r}")
         if self.wrap not in UNIT_RULES:
             raise ValueError(f"unknown wrap {self.wrap!r}; choose one of {', '.join(UNIT_RULES)}")
         group = self.shard_group
@@ -210,10 +208,16 @@ class FSDP2(TorchStateDict, UnitEngine):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.mesh(device, world_size)
+        options: dict[str, Any] = {"mesh": mesh}
+        if self.offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            # Pinned host memory needs an accelerator; on a CPU run the shards are host memory.
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
         blocks = [model.get_submodule(name) for name in unit_names(model, self.wrap)]
         for block in blocks:  # children before parents
-            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, reshard_after_forward=self.reshard_after_forward, **options)
+        fully_shard(model, **options)
         set_prefetch(blocks, forward=self.forward_prefetch, backward=self.backward_prefetch)
         return model, adam(model.parameters(), lr)
 
@@ -233,6 +237,14 @@ class FSDP2(TorchStateDict, UnitEngine):
         # The rank's coordinate in its shard group (the mesh is row-major).
         return tuple(by_shard[rank % group] for rank in range(world_size))
 
+    def host_layout(self, layout: Layout) -> Layout:
+        """With ``offload``, the whole state: shards, their gradients and Adam's state."""
+        return layout if self.offload else super().host_layout(layout)
+
+    @property
+    def steps_on_host(self) -> bool:
+        return self.offload
+
     def transient(
         self, *, param_bytes: int, grad_bytes: int, num_params: int, largest_unit: int
     ) -> Transient:
@@ -241,8 +253,126 @@ class FSDP2(TorchStateDict, UnitEngine):
             kind="largest gathered unit (params + grads)",
         )
 
+    def stepped_tensors(self, shape: ModelShape, world_size: int) -> list[int]:
+        """Each parameter's row chunk.
+
+        Examples:
+            >>> FSDP2().stepped_tensors(ModelShape(units=(((3,),), ((5, 2),))), 2)
+            [2, 6]
+        """
+        group = self.shard_group_size(world_size)
+        return [rows_per_shard([s], group)[0] for s in shape.shapes]
+
     def step_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
-        """Where ``reshard_after_forward`` and the prefetch counts put the peak of a step.
+        """The most a step holds beyond the state kept between steps, moment by moment.
+
+        With the activations traced over the step (:attr:`StepSizes.forward` and
+        :attr:`StepSizes.stretches`), the largest of:
+
+        * forward: in a block, its activations, the root, the blocks gathered so far (the
+          running one, those prefetched, and every earlier one without resharding) and the
+          all-gather's result FSDP2 holds until the next copy-out (on more than one rank);
+          elsewhere (the loss), the root, the blocks kept gathered and that result;
+        * the loss's backward: its activations, the root and their gradients;
+        * each block's backward: its activations (a checkpointed block's forward run
+          again), the root, the blocks gathered (itself and up to ``backward_prefetch`` of
+          those still to come; every block not yet done without resharding), the sharded
+          gradients of the blocks done (at one rank a shard is the whole tensor: they pile
+          up to every gradient) and the loss's gradients; for the last block, its
+          unsharded gradients as they replace its activations; for the others, the
+          previous block's reduce-scatter input, which FSDP2 keeps until the next
+          reduce-scatter, and the all-gather result it holds;
+        * the optimizer step: the sharded gradients and the optimizer's temporaries.
+
+        Without a traced profile, the moments of :meth:`_untraced_peak`.
+
+        Examples:
+            >>> from fsdp_guide.engines import Stretch
+            >>> def stretch(unit: bool, start: int, peak: int, grads: int = 0) -> Stretch:
+            ...     return Stretch(unit=unit, start=start, peak=peak, grads=grads,
+            ...                    largest_grad=grads)
+            >>> sizes = StepSizes(params=1000, grads=1000, largest_unit=200,
+            ...                   largest_unit_grads=200, root_unit=200, activations=300,
+            ...                   blocks=4, forward=(stretch(True, 0, 150),),
+            ...                   stretches=(stretch(False, 300, 320), stretch(True, 280, 300,
+            ...                   200), stretch(True, 210, 230, 200)))
+            >>> peak = FSDP2().step_peak(sizes, 2)
+            >>> peak.bytes, peak.phase  # 230 + 200 + 200 + root + itself (none left) + 100
+            (1130, 'backward')
+            >>> FSDP2().step_peak(sizes, 1).bytes  # 230 + 200 + 200 + root + a block + 200
+            1230
+        """
+        if not sizes.stretches:
+            return self._untraced_peak(sizes, world_size)
+        unit, grads, root = sizes.largest_unit, sizes.largest_unit_grads, sizes.root_unit
+        ahead = 0 if world_size == 1 else max(self.backward_prefetch, 1)
+        resharded = self.reshard_after_forward is not False
+        kept = share = 0  # with reshard_after_forward=k, the blocks' 1 / k shares kept
+        if resharded and self.reshard_after_forward is not True:
+            others = sizes.params - root - (1 + ahead) * unit
+            kept = max(others, 0) // int(self.reshard_after_forward)
+            share = unit // int(self.reshard_after_forward)
+        shard = grads if world_size == 1 else grads // world_size
+        if self.offload:  # the sharded gradients go to host memory
+            shard = 0
+        head = sizes.head_grads
+        forward = StepPeak(bytes=0, phase="forward", kind="")
+        done = 0
+        result = 0 if world_size == 1 else unit  # the all-gather result held to the next
+        blocks = sum(s.unit for s in sizes.forward)
+        for stretch in sizes.forward:
+            if not stretch.unit:
+                before = root + done * share if resharded else root + done * unit
+                held = stretch.peak + before + (result if done else 0)
+            elif resharded:
+                prefetched = min(self.forward_prefetch, blocks - 1 - done)
+                held = stretch.peak + root + (1 + prefetched) * unit + result + done * share
+            else:
+                held = stretch.peak + root + (done + 1) * unit + result
+            done += stretch.unit
+            if held > forward.bytes:
+                forward = StepPeak(
+                    bytes=held,
+                    phase="forward",
+                    kind="activations + root + the blocks gathered + an all-gather result"
+                    if stretch.unit
+                    else "activations + the parameters gathered",
+                )
+        units = sizes.units_backward
+        best = StepPeak(bytes=0, phase="backward", kind="")
+        for j, stretch in enumerate(units):
+            if resharded:
+                gathered = root + kept + (1 + min(ahead, len(units) - 1 - j)) * unit
+            else:
+                gathered = sizes.params - j * unit
+            if j == 0:  # its gradients replace its activations as its backward goes
+                own = max(stretch.peak, stretch.start + grads)
+            else:
+                own = stretch.peak + grads + (unit if resharded else 0)
+            held = own + gathered + j * shard + head
+            if held > best.bytes:
+                best = StepPeak(
+                    bytes=held,
+                    phase="backward",
+                    kind="a block's backward: activations + root + the blocks gathered + "
+                    "gradients in the reduce-scatter + the shards done",
+                )
+        loss = StepPeak(
+            bytes=sizes.stretches[0].peak + head + (root if resharded else sizes.params),
+            phase="backward",
+            kind="the loss's backward: activations + root + its gradients",
+        )
+        return highest(
+            forward_prefetch_peak(sizes, self.forward_prefetch, self.reshard_after_forward),
+            forward,
+            loss,
+            best,
+            sizes.optimizer_step(),
+        )
+
+    def _untraced_peak(self, sizes: StepSizes, world_size: int) -> StepPeak:
+        """The peak of a step from the saved activations alone (no traced profile): where
+        ``reshard_after_forward`` and the prefetch counts put it.
 
         ``True``: in backward, the root's parameters (kept from forward), the running block
         gathered, the blocks gathered ahead of it (one by default; ``backward_prefetch`` of
@@ -358,9 +488,6 @@ class FSDP2(TorchStateDict, UnitEngine):
             for p in module.get_submodule(name).parameters()
         }
         return sum(p.numel() for p in module.parameters() if id(p) not in nested)
-
-    def reduce_bytes(self, comm_bytes: int) -> int:
-        return 4 if self.reduce_dtype == "fp32" else comm_bytes
 
     def held_grads(self, module: nn.Module) -> list[torch.Tensor]:
         return unsharded_grads(module)

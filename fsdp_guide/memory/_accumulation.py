@@ -14,8 +14,8 @@ batch for the memory of one. What it costs depends on when the gradients are red
 Either way the parameters are gathered again in every micro-step (FSDP frees them after
 each forward and backward), so all-gathers grow with ``k``. DeepSpeed's
 ``gradient_accumulation_steps`` decides for itself: ZeRO-1 reduces at the boundary, ZeRO-2
-and ZeRO-3 reduce (into their partitions) every micro-step and refuse ``no_sync()``; the
-planner does not plan DeepSpeed's accumulation.
+and ZeRO-3 reduce (into their partitions) every micro-step and refuse ``no_sync()``: the
+planner plans each DeepSpeed stage (and FairScale's engines) its own way only.
 """
 
 from __future__ import annotations
@@ -76,31 +76,42 @@ class Accumulation:
 def check_accumulation(
     engine: Engine, grad_accumulation: object, sync_each_micro_step: object, mixed: bool
 ) -> tuple[int, bool]:
-    """``grad_accumulation`` and ``sync_each_micro_step``, checked against the engine.
+    """``grad_accumulation`` and ``sync_each_micro_step``, checked against the engine, and
+    the sync resolved: ``None`` is the engine's own way (DDP and ZeRO-1 once per optimizer
+    step, FSDP and DeepSpeed ZeRO-2/3 every micro-step).
 
     Raises:
-        PlanError: ``k`` not an int >= 1, a sync flag not a bool, an engine whose
-            accumulation is not planned, or FSDP1 in mixed precision with the sync off.
+        PlanError: ``k`` not an int >= 1, a sync flag not a bool or ``None``, a sync the
+            engine does not offer (DeepSpeed's and FairScale's accumulation decide it), or
+            FSDP1 in mixed precision with the sync off.
 
     Examples:
         >>> from fsdp_guide.engines import engine_for
         >>> check_accumulation(engine_for("fsdp2"), 4, False, False)
         (4, False)
-        >>> check_accumulation(engine_for("oss"), 4, False, False)
+        >>> check_accumulation(engine_for("fsdp2"), 4, None, False)
+        (4, True)
+        >>> check_accumulation(engine_for("deepspeed_zero3"), 4, False, False)
         Traceback (most recent call last):
         ...
-        fsdp_guide.errors.PlanError: grad_accumulation is planned for ddp, fsdp1, fsdp2 ...
+        fsdp_guide.errors.PlanError: sync_each_micro_step=False is planned for ddp, fsdp1, ...
     """
     k = grad_accumulation
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise PlanError(f"grad_accumulation must be an int >= 1 micro-steps, got {k!r}")
+    own = bool(engine.syncs_every_microbatch)
+    if sync_each_micro_step is None:
+        sync_each_micro_step = own
     if not isinstance(sync_each_micro_step, bool):
-        raise PlanError(f"sync_each_micro_step must be True or False, got {sync_each_micro_step!r}")
-    if k > 1 and engine.name not in _ENGINES:
         raise PlanError(
-            f"grad_accumulation is planned for {', '.join(_ENGINES)} engines, not "
-            f"{engine.name} (DeepSpeed: gradient_accumulation_steps in its config, which "
-            "reduces every micro-step from ZeRO-2 on)"
+            f"sync_each_micro_step must be True, False or None, got {sync_each_micro_step!r}"
+        )
+    if k > 1 and sync_each_micro_step != own and engine.name not in _ENGINES:
+        raise PlanError(
+            f"sync_each_micro_step={sync_each_micro_step} is planned for "
+            f"{', '.join(_ENGINES)} engines, not {engine.name}, which reduces "
+            f"{'every micro-step' if own else 'once per optimizer step'} (DeepSpeed: "
+            "gradient_accumulation_steps in its config decides); leave it None"
         )
     if k > 1 and not sync_each_micro_step and mixed and engine.name == "fsdp1":
         raise PlanError(
@@ -179,7 +190,13 @@ def gradient_payload(request: PlanRequest, rank: RankModel) -> dict[str, int]:
     """Elements per kind that the engine's gradient reductions carry in one synced step."""
     shape = model_shape(rank.model, request.policy, trainable_only=True)
     issued = predict_communication(
-        request.strategy, shape.num_params, request.data_parallel, request.comm_dtype, shape=shape
+        request.strategy,
+        shape.num_params,
+        request.data_parallel,
+        request.comm_dtype,
+        shape=shape,
+        gpus_per_node=request.gpus_per_node,
+        engine=request.engine,
     ).payload
     return {kind: issued.get(kind, 0) for kind in GRADIENT_KINDS if kind in issued}
 
@@ -190,12 +207,17 @@ def plan_accumulation(
     ranks: tuple[ModelState, ...],
     communication: CommPrediction,
 ) -> Accumulation | None:
-    """What ``grad_accumulation`` micro-steps hold and send; ``None`` for one."""
+    """What ``grad_accumulation`` micro-steps hold and send over one optimizer step, from
+    ``communication``, one micro-step's collectives with the gradients reduced; ``None``
+    for one micro-step."""
     if request.grad_accumulation == 1:
         return None
     trainable = sum(p.numel() for p in rank.model.parameters() if p.requires_grad)
+    # DeepSpeed ZeRO-1 reduces at the boundary and moves its parameters at the step:
+    # every collective once per optimizer step.
+    once = request.engine.name not in _ENGINES and not request.sync_each_micro_step
     # Held back, FSDP's unsharded gradients are in the dtype it reduces in.
-    reduce = request.engine.reduce_bytes(communication.element_size)
+    reduce = 4 if request.reduce_dtype == "fp32" else 2
     element = reduce if request.engine.stage_at_step >= 2 else request.per_param.grads
     return accumulate(
         micro_steps=request.grad_accumulation,
@@ -204,7 +226,7 @@ def plan_accumulation(
         ranks=ranks,
         whole_grads=trainable * element,
         step_payload=communication.payload,
-        gradient_payload=gradient_payload(request, rank),
+        gradient_payload=dict(communication.payload) if once else gradient_payload(request, rank),
         element_size=communication.element_size,
         element_sizes=communication.element_sizes,
     )

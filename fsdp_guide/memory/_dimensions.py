@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 
 from fsdp_guide.engines import ModelShape
+from fsdp_guide.errors import PlanError
 from fsdp_guide.memory._cp import cut_sequence, ring
 from fsdp_guide.memory._ep import cut_experts
 from fsdp_guide.memory._request import PlanRequest
@@ -28,7 +29,7 @@ from fsdp_guide.memory._tp import (
     local_model,
     sequence_parallel_model,
     sp_elements,
-    tp_all_reduce_elements,
+    tp_elements,
     tp_plan_of,
 )
 
@@ -97,10 +98,15 @@ def tensor_parallel(request: PlanRequest, rank: RankModel) -> RankModel:
     b, s = request.batch_size, rank.seq_len
     local = local_model(model, tp, cut)
     if request.sequence_parallel:
+        if set(cut.values()) - {"colwise", "rowwise"}:
+            raise PlanError(
+                "sequence parallelism is planned with a tp_plan of 'colwise' and 'rowwise' "
+                f"layers only, got {sorted(set(cut.values()))}"
+            )
         payload = sp_elements(model, cut, b, s)
         local = sequence_parallel_model(local, tp, cut)
     else:
-        payload = {"all_reduce": tp_all_reduce_elements(model, cut, b, s)}
+        payload = tp_elements(model, cut, b, s)
     return replace(rank, model=local).adding(payload, tp)
 
 

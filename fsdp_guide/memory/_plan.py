@@ -22,41 +22,22 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
-from fsdp_guide.comm import CommPrediction, predict_communication
-from fsdp_guide.engines import (
-    ModelShape,
-    StepSizes,
-    Transient,
-    UnitPolicy,
-    UnitRule,
-    follows_units,
-    model_shape,
-    module_calls,
-    unit_names,
-    unit_summary,
-)
-from fsdp_guide.errors import PlanError
-from fsdp_guide.memory._accumulation import gradient_payload, plan_accumulation
+from fsdp_guide.engines import UnitPolicy, UnitRule, model_shape
+from fsdp_guide.memory import _plan_steps as steps
+from fsdp_guide.memory._accumulation import plan_accumulation
 from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
+from fsdp_guide.memory._plan_steps import unit_sizes
 from fsdp_guide.memory._pp import combine, stage_requests
-from fsdp_guide.memory._predict import state_per_rank
 from fsdp_guide.memory._request import PlanRequest, resolve
-from fsdp_guide.memory._state import ModelState
-from fsdp_guide.memory._trace import (
-    BatchBuilder,
-    Checkpointing,
-    ModelSource,
-    traced_activation_bytes,
-)
-from fsdp_guide.memory._trainable import TrainableRule, with_frozen
+from fsdp_guide.memory._trace import BatchBuilder, Checkpointing, ModelSource
+from fsdp_guide.memory._trainable import TrainableRule
 from fsdp_guide.memory._zero import OptimizerName, Precision
 
 
@@ -73,12 +54,7 @@ def unit_params(model: nn.Module, policy: UnitRule | UnitPolicy = "blocks") -> t
         >>> unit_params(model), unit_params(model, "root")
         ((17472, 17472), (42880, 42880))
     """
-    return _unit_sizes(model_shape(model, policy))
-
-
-def _unit_sizes(shape: ModelShape) -> tuple[int, int]:
-    sizes = [sum(math.prod(s) for s in unit) for unit in shape.units]
-    return max(sizes), sizes[0]
+    return unit_sizes(model_shape(model, policy))
 
 
 def plan(
@@ -99,6 +75,9 @@ def plan(
     tp_plan: Mapping[str, str] | None = None,
     settings: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
+    foreach: bool = True,
+    gpus_per_node: int | None = None,
+    reduce_dtype: str | None = None,
     pipeline_parallel: int = 1,
     microbatches: int | None = None,
     schedule: str | None = None,
@@ -108,7 +87,7 @@ def plan(
     expert_parallel: int = 1,
     expert_routing: Sequence[Sequence[Any]] | None = None,
     grad_accumulation: int = 1,
-    sync_each_micro_step: bool = False,
+    sync_each_micro_step: bool | None = None,
     trainable: TrainableRule | None = None,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
@@ -124,7 +103,8 @@ def plan(
         activation_checkpointing: ``None``, ``"blocks"`` (each ``Block``) or a layer class.
         cpu_offload: Keep the model state in CPU memory (fully sharded strategies only).
         batch: Builds ``(inputs, targets)`` of a batch; known for the demo models.
-        optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
+        optimizer: ``"adam"``, ``"adamw"`` (planned as Adam: AdamW's decoupled weight
+            decay keeps no state of its own), ``"sgd"`` or ``"sgd_momentum"``.
         activations: Bytes already traced by ``traced_activation_bytes`` for this model,
             batch, precision and checkpointing: the trace is skipped (planning one model
             for many strategies traces it once).
@@ -153,6 +133,17 @@ def plan(
             all-reduce of each rowwise layer becomes a reduce-scatter, each cut module's input
             and the head's input are all-gathered, backward mirrors them, and the norms'
             replicated weights have their gradients all-reduced over ``tp``.
+        foreach: How the optimizer steps: ``True`` (torch's default on CUDA) every tensor at
+            once, which allocates a temporary as large as the tensors it steps; ``False``
+            (its default on CPU) one tensor at a time, two temporaries of the largest.
+        gpus_per_node: GPUs of a node. HSDP (``"fsdp2_hybrid"``, ``"fsdp_hybrid"``) then
+            shards within a node and replicates across nodes (without it, in the row's
+            groups of 2); the communication says which collectives cross nodes.
+        reduce_dtype: What the gradients are reduced in under ``precision="mixed"``:
+            ``"fp32"`` (the default, as the guide's FSDP2 scripts set
+            ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``, for every engine alike) or
+            ``"bf16"`` (DeepSpeed's own default, its ``communication_data_type``, and FSDP's
+            when ``reduce_dtype`` is not set). Autocast's gradients are fp32 whatever is asked.
         pipeline_parallel: Pipeline ranks, ``p``: the ranks form a ``(p, dp, tp)`` mesh and
             the model, an ``nn.Sequential`` of layers (or a model whose ``pipeline_layers()``
             returns one), is cut into ``p · v`` contiguous stages (equal numbers of layers,
@@ -193,14 +184,20 @@ def plan(
             (each rank receives as many token copies as it sends). With a routing,
             :attr:`Plan.all_to_all` gives each rank's payload and the communication is the
             busiest rank's.
-        grad_accumulation: Micro-steps (forward and backward) per optimizer step, ``k``:
-            :attr:`Plan.accumulation` says what each rank holds between them and sends over
-            the ``k`` (``"ddp"``, ``"fsdp"`` and ``"fsdp2"`` engines).
-        sync_each_micro_step: With ``k > 1``, ``False`` (the default) reduces the gradients
-            once, after the last micro-step: DDP's and FSDP1's ``no_sync()``, FSDP2's
-            ``set_requires_gradient_sync(False)`` on the others, where FSDP keeps every
-            unsharded gradient in between; ``True`` reduces (reduce-scatters) after each,
-            holding gradient shards only.
+        grad_accumulation: Micro-steps (forward and backward) of ``batch_size`` per optimizer
+            step, ``k``: :attr:`Plan.communication` is then the optimizer step's (``k``
+            micro-steps, the reductions as ``sync_each_micro_step`` says), the step peak
+            counts the gradients held from one micro-step to the next, and
+            :attr:`Plan.accumulation` says what each rank holds between micro-steps and
+            sends over the ``k``, kind by kind.
+        sync_each_micro_step: With ``k > 1``, when the gradients are reduced. ``None`` (the
+            default) is the engine's own way: DDP's ``no_sync()`` and DeepSpeed ZeRO-1 once
+            per optimizer step; FSDP, FSDP2 and DeepSpeed ZeRO-2/3 after every micro-step,
+            holding gradient shards only. ``False`` reduces once, after the last micro-step
+            (FSDP1's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)`` on the
+            others), where FSDP keeps every unsharded gradient in between; ``True`` after
+            each. Either is planned for the ``"ddp"``, ``"fsdp"`` and ``"fsdp2"`` engines;
+            the others plan their own way only.
         trainable: Which parameters train: parameter-name patterns (``fnmatch``, such as
             ``["*lora_*"]``) or a function of the name; ``None`` (the default) keeps the
             model's own ``requires_grad`` (a ``peft`` model freezes its base). Frozen
@@ -218,7 +215,8 @@ def plan(
             without tensor parallelism or with a ``seq_len`` that does not divide by it; a
             world that is not ``pp x dp x tp`` ranks, more stages than layers, micro-batches
             that do not divide the batch, or a pipeline with what it is not planned with;
-            a bad ``grad_accumulation``, or an engine whose accumulation is not planned;
+            a bad ``grad_accumulation``, or a ``sync_each_micro_step`` the engine does not
+            offer;
             a ``trainable`` that matches nothing, or frozen parameters under another engine
             than DDP and FSDP2; units that split a tied parameter (``fully_shard`` refuses
             them too); accumulation or frozen parameters with pipeline, context or expert
@@ -261,6 +259,9 @@ def plan(
         tp_plan=tp_plan,
         settings=settings,
         sequence_parallel=sequence_parallel,
+        foreach=foreach,
+        gpus_per_node=gpus_per_node,
+        reduce_dtype=reduce_dtype,
         pipeline_parallel=pipeline_parallel,
         microbatches=microbatches,
         schedule=schedule,
@@ -281,13 +282,22 @@ def plan(
 def _plan_request(request: PlanRequest) -> tuple[Plan, RankModel]:
     """The plan of one request, and the model its rank computes."""
     rank = rank_model(request)
-    shape, units = _units(request, rank)
-    ranks, exact = _model_state(request, shape, rank)
-    saved = _activations(request, rank)
-    communication = _communication(request, rank, shape)
-    sizes = _step_sizes(request, rank, shape, saved)
-    accumulation = plan_accumulation(request, rank, ranks, communication)
-    assembled = _assemble(request, units, ranks, exact, sizes, communication, rank.all_to_all)
+    shape, units = steps.units(request, rank)
+    ranks, hosts, exact = steps.model_state(request, shape, rank)
+    profile = steps.activations(request, rank)
+    micro_step = steps.communication(request, rank, shape)
+    sizes = steps.step_sizes(request, rank, shape, profile, ranks)
+    # One micro-step's collectives become the optimizer step's: k micro-steps, the
+    # gradients' reductions held back to the last or not.
+    accumulation = plan_accumulation(request, rank, ranks, micro_step)
+    communication = micro_step
+    held = None
+    if accumulation is not None:
+        communication = replace(micro_step, payload=dict(accumulation.payload))
+        held = accumulation.held
+    assembled = steps.assemble(
+        request, units, ranks, hosts, exact, sizes, communication, rank.all_to_all, held
+    )
     plan = replace(
         assembled,
         trainable_params=request.trainable_params,
@@ -301,184 +311,3 @@ def _pipeline(request: PlanRequest) -> Plan:
     """A plan per pipeline rank (its stages, their engine), combined into one."""
     subs = [_plan_request(r) for r in stage_requests(request)]
     return combine(request, [p for p, _ in subs], [r.model for _, r in subs])
-
-
-def _units(request: PlanRequest, rank: RankModel) -> tuple[ModelShape, str]:
-    """The rank's model cut into units by the request's policy, and that cut in words for
-    an engine whose figures follow it."""
-    try:
-        names = unit_names(rank.model, request.policy)
-        shape = model_shape(rank.model, request.policy)
-    except ValueError as exc:
-        raise PlanError(str(exc)) from exc
-    if not follows_units(request.engine):
-        return shape, ""
-    return shape, unit_summary(rank.model, names, request.policy)
-
-
-def _model_state(
-    request: PlanRequest, shape: ModelShape, rank: RankModel
-) -> tuple[tuple[ModelState, ...], bool]:
-    """Each rank's state after the optimizer step, and whether it is the engine's to the byte.
-
-    The engine lays the state out over the data-parallel ranks; the mesh is row-major, so
-    the ``tensor_parallel`` ranks of a group share their data-parallel rank's layout. Experts
-    laid out apart (expert parallelism) add the layout of the ranks holding the same ones.
-    Frozen parameters are weights only: the gradients and optimizer state are those of
-    the trainable ones.
-    """
-    args = (request.engine, shape, request.data_parallel, request.precision, request.optimizer)
-    by_dp, exact = state_per_rank(*args)
-    if request.frozen_params:
-        trainable = model_shape(rank.model, request.policy, trainable_only=True)
-        by_dp = with_frozen(by_dp, state_per_rank(request.engine, trainable, *args[2:])[0])
-    tp, dp = request.tensor_parallel, request.data_parallel
-    states = [by_dp[r // tp % dp] for r in range(request.world_size)]
-    if rank.experts is not None:
-        by_group, exact_experts = state_per_rank(
-            request.engine, rank.experts, rank.expert_ranks, request.precision, request.optimizer
-        )
-        e = request.expert_parallel
-        states = [_add(s, by_group[(r // tp) // e]) for r, s in enumerate(states)]
-        exact = exact and exact_experts
-    return tuple(states), exact
-
-
-def _add(a: ModelState, b: ModelState) -> ModelState:
-    """Two states held together, field by field."""
-    return ModelState(
-        **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a) if f.init}
-    )
-
-
-def _activations(request: PlanRequest, rank: RankModel) -> int:
-    """The bytes autograd saves in the rank's forward: given, or traced on fake tensors."""
-    if request.activations is not None:
-        return request.activations
-    if request.pipeline_parallel > 1:  # the schedule's peak, set when the plans combine
-        return 0
-    return traced_activation_bytes(
-        rank.model,
-        request.batch_size,
-        rank.seq_len,
-        precision=request.precision,
-        activation_checkpointing=request.checkpointing,
-        batch=request.batch,
-        mixed="params" if request.engine.mixed_precision == "params" else "autocast",
-    )
-
-
-def _communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> CommPrediction:
-    """The engine's collectives over the data-parallel ranks, and those the cuts add."""
-    predicted = predict_communication(
-        request.strategy, shape.num_params, request.data_parallel, request.comm_dtype, shape=shape
-    )
-    gradients = gradient_payload(request, rank)
-    if request.frozen_params:  # only the trainable parameters' gradients are reduced
-        predicted = replace(predicted, payload={**predicted.payload, **gradients})
-    reduce = request.engine.reduce_bytes(predicted.element_size)
-    if reduce != predicted.element_size:  # reduced in another dtype than gathered
-        predicted = replace(predicted, element_sizes=dict.fromkeys(gradients, reduce))
-    if not rank.payload:
-        return predicted
-    added = dict(rank.payload)
-    if rank.experts is not None and rank.expert_ranks > 1:  # the experts' own shards
-        experts = predict_communication(
-            request.strategy,
-            rank.experts.num_params,
-            rank.expert_ranks,
-            request.comm_dtype,
-            shape=rank.experts,
-        )
-        for kind, elements in experts.payload.items():
-            added[kind] = added.get(kind, 0) + elements
-    payload = dict(predicted.payload)
-    for kind, elements in added.items():
-        payload[kind] = payload.get(kind, 0) + elements
-    # A kind the engine issues keeps its group; one only the cuts issue takes theirs.
-    groups = {k: g for k, g in rank.groups.items() if k not in predicted.payload}
-    return replace(
-        predicted,
-        num_params=sum(p.numel() for p in request.model.parameters()),
-        world_size=request.world_size,
-        payload=payload,
-        group_sizes={**predicted.group_sizes, **groups},
-    )
-
-
-def _step_sizes(
-    request: PlanRequest, rank: RankModel, shape: ModelShape, activations: int
-) -> StepSizes:
-    """The sizes the engine's step peak reads, in bytes."""
-    per = request.per_param
-    largest, root = _unit_sizes(shape)
-    return StepSizes(
-        params=per.params * shape.num_params,
-        grads=per.grads * shape.num_params,
-        largest_unit=per.params * largest,
-        largest_unit_grads=per.grads * largest,
-        root_unit=per.params * root,
-        activations=activations,
-        calls=module_calls(rank.model),
-        blocks=len(shape.units) - 1,
-    )
-
-
-def _assemble(
-    request: PlanRequest,
-    units: str,
-    ranks: tuple[ModelState, ...],
-    exact: bool,
-    sizes: StepSizes,
-    communication: CommPrediction,
-    all_to_all: tuple[int, ...] = (),
-) -> Plan:
-    """The :class:`Plan`: the fullest rank's state, what it keeps between steps, the engine's
-    transient buffer and step peak."""
-    engine, dp = request.engine, request.data_parallel
-    num_params = sum(p.numel() for p in request.model.parameters())
-    local_params = sizes.params // request.per_param.params
-    largest = sizes.largest_unit // request.per_param.params
-    per = request.per_param
-    transient = engine.transient(
-        param_bytes=per.params, grad_bytes=per.grads, num_params=local_params, largest_unit=largest
-    )
-    gathered = engine.gathered(sizes, dp)
-    if gathered is not None:  # what the engine gathers, known from the modules' order
-        transient = Transient(bytes=gathered.peak, kind=gathered.kind)
-    state = max(ranks, key=lambda s: s.total)  # the first of the fullest
-    between = tuple(
-        replace(
-            r,
-            grads=r.grads if engine.grads_between_steps else 0,
-            buckets=r.buckets if engine.buckets_between_steps else 0,
-        )
-        for r in ranks
-    )
-    kept = between[ranks.index(state)].total
-    peak = engine.step_peak(sizes, dp)
-    return Plan(
-        strategy=request.strategy,
-        world_size=request.world_size,
-        num_params=num_params,
-        precision=request.precision,
-        state=state,
-        activations=sizes.activations,
-        transient=transient.bytes,
-        transient_kind=transient.kind,
-        communication=communication,
-        cpu_offload=request.cpu_offload,
-        ranks=ranks,
-        exact_state=exact,
-        between_steps=between,
-        step_peak=(0 if request.cpu_offload else kept) + peak.bytes,
-        step_peak_phase=peak.phase,
-        step_peak_kind=peak.kind,
-        tensor_parallel=request.tensor_parallel,
-        units=units,
-        sequence_parallel=request.sequence_parallel,
-        kept_params=0 if gathered is None else gathered.after_forward,
-        context_parallel=request.context_parallel,
-        expert_parallel=request.expert_parallel,
-        all_to_all=all_to_all,
-    )

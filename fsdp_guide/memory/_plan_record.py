@@ -26,8 +26,10 @@ class Plan:
             parameters and unsharded gradients), DDP's gradient bucket, the parameters
             DeepSpeed ZeRO-3 holds gathered as backward starts.
         transient_kind: What ``transient`` is, in words.
-        communication: The communication of one step.
-        cpu_offload: Whether the model state lives in CPU memory (FSDP's ``CPUOffload``).
+        communication: The communication of one optimizer step (with ``grad_accumulation``
+            micro-steps, of all of them).
+        cpu_offload: Whether the whole model state lives in host memory (FSDP1's
+            ``CPUOffload``).
         ranks: The state of each rank, ``ranks[r]`` for rank ``r``: they differ where the
             optimizer owns whole tensors or a shard is padded.
         exact_state: Whether ``ranks`` follow the engine's layout to the byte (``False``:
@@ -35,10 +37,11 @@ class Plan:
         between_steps: The state each rank keeps between steps, ``between_steps[r]`` for
             rank ``r``: ``ranks`` less the gradients and buckets ``zero_grad()`` frees (what
             :func:`~fsdp_guide.memory.measure_model_state` counts after it).
-        step_peak: The most bytes held at once during a steady training step: the state
-            kept between steps (gradients freed by ``zero_grad()`` left out, buckets an
-            engine keeps for the whole run, such as DDP's, counted), the
-            activations and the buffers alive at that moment, as the engine says
+        step_peak: The most bytes held at once on the accelerator during a steady training
+            step, on the fullest rank (what must fit): the state kept between steps on the
+            accelerator (gradients freed by ``zero_grad()`` left out, buckets an engine keeps
+            for the whole run, such as DDP's, counted), and the activations, gradients and
+            buffers alive at that moment, as the engine says
             (:meth:`fsdp_guide.engines.Engine.step_peak`).
         step_peak_phase: Where in the step it falls.
         step_peak_kind: What is held then beyond the state, in words.
@@ -53,6 +56,10 @@ class Plan:
         kept_params: Bytes of whole parameters still gathered when forward returns,
             beyond the state, alive with the activations: DeepSpeed ZeRO-3 keeps those it
             uses again soon (every one of a small model); 0 for the other strategies.
+        host_ranks: The part of each rank's state kept in host memory (what the engine
+            offloads: DeepSpeed's ``offload_optimizer``, FSDP2's ``CPUOffloadPolicy``);
+            the rest is on the accelerator. On a CPU run both are the process's memory.
+        rank_peaks: :attr:`step_peak` of each rank, ``rank_peaks[r]`` for rank ``r``.
         pipeline_parallel: Pipeline ranks (1: none); the ranks are then a ``(pp, dp, tp)``
             mesh, ``ranks`` are every rank's and the other figures those of the pipeline rank
             whose total is the largest.
@@ -92,6 +99,8 @@ class Plan:
     units: str = ""
     sequence_parallel: bool = False
     kept_params: int = 0
+    host_ranks: tuple[ModelState, ...] = ()
+    rank_peaks: tuple[int, ...] = ()
     pipeline_parallel: int = 1
     pipeline: PipelinePlan | None = None
     context_parallel: int = 1
@@ -110,38 +119,80 @@ class Plan:
             return totals.index(max(totals))
         return self.ranks.index(self.state) if self.state in self.ranks else 0
 
+    def host(self, rank: int | None = None) -> ModelState:
+        """The model state the fullest rank (or ``rank``) keeps in host memory: what the
+        engine offloads, or all of it with ``cpu_offload``."""
+        index = self.fullest_rank if rank is None else rank
+        if self.cpu_offload:
+            return self.ranks[index] if self.ranks else self.state
+        if not self.host_ranks:
+            return ModelState(0, 0, 0)
+        return self.host_ranks[index]
+
     @property
     def device_state(self) -> int:
-        """Bytes of model state on the accelerator on the fullest rank, none with CPU offload."""
-        return 0 if self.cpu_offload else self.state.total
+        """Bytes of model state on the accelerator of the fullest rank: the state, less what
+        lives in host memory (:meth:`host`)."""
+        return self.state.total - self.host().total
 
     @property
     def total(self) -> int:
-        """Peak bytes on the fullest rank (model state, activations, transient buffer)."""
+        """Bytes on the accelerator of the fullest rank: model state, activations, transient
+        buffer (each a column of ``estimate``'s table; the step's peak is :attr:`step_peak`)."""
         return self.device_state + self.activations + self.transient
 
     def rank_total(self, rank: int) -> int:
-        """Peak bytes on the accelerator of ``rank``."""
+        """:attr:`total` of ``rank``."""
         if self.pipeline is not None:  # its stages' activations and buffers
             return self.pipeline.plan_of(rank).rank_total(rank)
-        state = 0 if self.cpu_offload else self.ranks[rank].total
+        state = self.ranks[rank].total - self.host(rank).total
         return state + self.activations + self.transient
 
-    def fits(self, gpu_memory: int, margin: float = 0.1, rank: int | None = None) -> bool:
-        """Whether the fullest rank (or ``rank``) fits ``gpu_memory`` less the ``margin`` share.
+    def rank_step_peak(self, rank: int | None = None) -> int:
+        """The step's peak on the accelerator of ``rank`` (the fullest by default)."""
+        if rank is None or not self.rank_peaks:
+            return self.step_peak
+        return self.rank_peaks[rank]
+
+    def fits(
+        self,
+        gpu_memory: int,
+        margin: float = 0.1,
+        rank: int | None = None,
+        host_memory: int | None = None,
+    ) -> bool:
+        """Whether the step's peak on the accelerator of the fullest rank (or ``rank``) fits
+        ``gpu_memory`` less the ``margin`` share, and what it keeps in host memory fits
+        ``host_memory`` when one is given.
 
         Examples:
             >>> from fsdp_guide.memory import plan
             >>> from fsdp_guide.models import MLP
             >>> p = plan(MLP(4, 8, 1, 2), batch_size=2, seq_len=1, world_size=2, strategy="ddp")
-            >>> p.fits(p.total), p.fits(p.total, margin=0.0)
+            >>> p.fits(p.step_peak), p.fits(p.step_peak, margin=0.0)
             (False, True)
+            >>> p.fits(p.step_peak, margin=0.0, host_memory=0)  # DDP keeps nothing there
+            True
         """
-        total = self.total if rank is None else self.rank_total(rank)
-        return total <= gpu_memory * (1 - margin)
+        on_host = self.host(rank).total
+        return self.rank_step_peak(rank) <= gpu_memory * (1 - margin) and (
+            host_memory is None or on_host <= host_memory
+        )
+
+    def device(self, rank: int | None = None) -> ModelState:
+        """The model state the fullest rank (or ``rank``) keeps on the accelerator, field by
+        field: its state less what lives in host memory (:meth:`host`)."""
+        index = self.fullest_rank if rank is None else rank
+        whole, host = (self.ranks[index] if self.ranks else self.state), self.host(index)
+        fields = ("params", "grads", "optimizer", "buckets", "master")
+        return ModelState(**{f: getattr(whole, f) - getattr(host, f) for f in fields})
 
     def as_dict(self, rank: int | None = None) -> dict[str, int | str | bool]:
         """The plan of one rank (the fullest by default) as JSON-ready values, bytes as integers.
+
+        ``params`` to ``master`` are what the rank keeps on the accelerator, ``host_params``
+        to ``host_master`` what it keeps in host memory; ``total`` adds the accelerator's
+        columns (state, activations, transient buffer), ``step_peak`` is what must fit.
 
         Examples:
             >>> from fsdp_guide.memory import plan
@@ -161,22 +212,29 @@ class Plan:
             row["microbatches"] = self.pipeline.schedule.microbatches
             return {**row, "pipeline_parallel": self.pipeline_parallel}
         state = self.ranks[index] if self.ranks else self.state
+        device, host = self.device(index), self.host(index)
         return {
             "strategy": self.strategy,
             "rank": index,
             "world_size": self.world_size,
             "num_params": self.num_params,
             "precision": self.precision,
-            "cpu_offload": self.cpu_offload,
-            **{k: v for k, v in state.as_dict().items() if k != "total"},
+            "cpu_offload": host.total > 0,
+            **{k: v for k, v in device.as_dict().items() if k != "total"},
+            **{f"host_{k}": v for k, v in host.as_dict().items() if k != "total"},
+            "host": host.total,
             "model_state": state.total,
             "exact_state": self.exact_state,
             "activations": self.activations,
             "transient": self.transient,
             "transient_kind": self.transient_kind,
             "communication": self.communication.payload_bytes,
+            "payload": self.communication.payload_bytes,
+            "wire": round(self.communication.wire_bytes()),
             "total": self.rank_total(index) if self.ranks else self.total,
-            "step_peak": self.step_peak,
+            "step_peak": self.rank_step_peak(index),
+            "step_peak_phase": self.step_peak_phase,
+            "step_peak_kind": self.step_peak_kind,
             "tensor_parallel": self.tensor_parallel,
             "units": self.units,
             "sequence_parallel": self.sequence_parallel,

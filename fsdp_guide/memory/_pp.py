@@ -280,6 +280,7 @@ def _stage_plan(request: PlanRequest, sub: Plan, peak: int, local_params: int) -
         step_peak=sub.state.total + peak + transient,
         step_peak_phase="the schedule's activation peak (a bound)",
         step_peak_kind="state with gradients + activations in flight + gathered stages",
+        rank_peaks=(),  # the bound above, the same on each of its ranks
     )
 
 

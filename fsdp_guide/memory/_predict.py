@@ -30,7 +30,7 @@ from fsdp_guide.memory._zero import (
 )
 
 # Adam's step counter: a 0-d fp32 tensor per parameter it updates.
-_STEP_BYTES = {"adam": 4, "sgd": 0, "sgd_momentum": 0}
+_STEP_BYTES = {"adam": 4, "adamw": 4, "sgd": 0, "sgd_momentum": 0}
 # A master copy is fp32 whatever the model's precision.
 _MASTER_BYTES = 4
 
@@ -154,31 +154,15 @@ def state_per_rank(
         ModelState(params=40, master=40, grads=0, optimizer=84, total=164)
     """
     engine = _engine(strategy)
-    if precision == "mixed" and engine.fp32_state_when_mixed:
-        # bf16 compute on copies of fp32 state: the state is the fp32 one.
-        return state_per_rank(engine, shapes, world_size, "fp32", optimizer)
-    per = bytes_per_param(precision, optimizer)
-    step = _STEP_BYTES[optimizer]
-    fp32_adam = (precision, optimizer) == ("fp32", "adam")
-    if (precision, optimizer) == ("mixed", "adam"):
-        plain = shapes.shapes if isinstance(shapes, ModelShape) else shapes
-        mixed = engine.mixed_layout(plain, world_size)
-        if mixed is not None:
-            # The master copy has a field of its own: the optimizer keeps the moments only.
-            moments = replace(per, optimizer=bytes_per_param("fp32", optimizer).optimizer)
-            return tuple(bytes_of(one, moments, step) for one in mixed), True
-    if isinstance(shapes, ModelShape):
-        layouts = engine.shape_layout(shapes, world_size, fp32_adam=fp32_adam)
-        shapes = shapes.shapes
-    else:
-        layouts = engine.layout(shapes, world_size, fp32_adam=fp32_adam)
+    layouts, per, step = _layouts(engine, shapes, world_size, precision, optimizer)
     if layouts is not None:
         distinct: dict[Layout, ModelState] = {}  # a million ranks share a handful of layouts
         for one in layouts:
             if one not in distinct:
                 distinct[one] = bytes_of(one, per, step)
         return tuple(distinct[one] for one in layouts), True
-    total = sum(math.prod(shape) for shape in shapes)
+    plain = shapes.shapes if isinstance(shapes, ModelShape) else shapes
+    total = sum(math.prod(shape) for shape in plain)
     formula = estimate_model_state(
         total,
         engine.shard_group_size(world_size),
@@ -188,6 +172,55 @@ def state_per_rank(
         full_grads=engine.full_grads,
     )
     return (formula,) * world_size, False
+
+
+def host_per_rank(
+    strategy: str | StrategySpec | Engine,
+    shapes: Sequence[Sequence[int]] | ModelShape,
+    world_size: int,
+    precision: Precision = "fp32",
+    optimizer: OptimizerName = "adam",
+) -> tuple[ModelState, ...]:
+    """What of :func:`state_per_rank` each rank keeps in host memory: what the engine offloads
+    (:meth:`fsdp_guide.engines.Engine.host_layout`), none where its layout is not known.
+
+    Examples:
+        >>> [s.total for s in host_per_rank("deepspeed_zero3_offload", [(10,), (7,)], 2)]
+        [220, 220]
+        >>> host_per_rank("fsdp2", [(10,), (7,)], 2)[0].total
+        0
+    """
+    engine = _engine(strategy)
+    layouts, per, step = _layouts(engine, shapes, world_size, precision, optimizer)
+    if layouts is None:
+        return (ModelState(0, 0, 0),) * world_size
+    return tuple(bytes_of(engine.host_layout(one), per, step) for one in layouts)
+
+
+def _layouts(
+    engine: Engine,
+    shapes: Sequence[Sequence[int]] | ModelShape,
+    world_size: int,
+    precision: Precision,
+    optimizer: OptimizerName,
+) -> tuple[tuple[Layout, ...] | None, BytesPerParam, int]:
+    """Each rank's layout (``None`` where not known), and the bytes per element it is kept in."""
+    if precision == "mixed" and engine.fp32_state_when_mixed:
+        # bf16 compute on copies of fp32 state: the state is the fp32 one.
+        return _layouts(engine, shapes, world_size, "fp32", optimizer)
+    per = bytes_per_param(precision, optimizer)
+    step = _STEP_BYTES[optimizer]
+    if precision == "mixed" and optimizer in ("adam", "adamw"):
+        plain = shapes.shapes if isinstance(shapes, ModelShape) else shapes
+        mixed = engine.mixed_layout(plain, world_size)
+        if mixed is not None:
+            # The master copy has a field of its own: the optimizer keeps the moments only.
+            moments = replace(per, optimizer=bytes_per_param("fp32", optimizer).optimizer)
+            return mixed, moments, step
+    fp32_adam = precision == "fp32" and optimizer in ("adam", "adamw")
+    if isinstance(shapes, ModelShape):
+        return engine.shape_layout(shapes, world_size, fp32_adam=fp32_adam), per, step
+    return engine.layout(shapes, world_size, fp32_adam=fp32_adam), per, step
 
 
 def estimate_deepspeed_state(

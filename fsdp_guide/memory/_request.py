@@ -39,6 +39,7 @@ class PlanRequest:
     """One plan's question, checked and with every default filled in.
 
     Attributes:
+        source: The model or builder as the caller gave it.
         model: The whole model, on the meta device.
         strategy: The strategy's catalog name.
         engine: Its engine, with the strategy's settings and those the caller gave.
@@ -46,7 +47,8 @@ class PlanRequest:
         seq_len: Tokens per sample.
         world_size: Ranks.
         precision: ``"fp32"`` or ``"mixed"``.
-        optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
+        optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"`` (``"adamw"`` is planned as
+            ``"adam"``: the same state and the same step).
         checkpointing: What activation checkpointing checkpoints, or ``None``.
         batch: Builds the example batch, or ``None`` for the model's own.
         activations: Bytes saved for backward given by the caller, or ``None`` to trace them.
@@ -55,6 +57,9 @@ class PlanRequest:
         tensor_parallel: Ranks per tensor-parallel group (1: none).
         tp_plan: Layer name (or pattern) to style, or ``None`` for the model's own.
         sequence_parallel: Whether the sequence is cut over the tensor-parallel ranks too.
+        foreach: Whether the optimizer steps every tensor at once (torch's default on CUDA).
+        gpus_per_node: GPUs of a node (``None``: not given); HSDP shards within a node.
+        reduce_dtype: What the gradients' collectives carry: ``"fp32"`` or ``"bf16"``.
         pipeline_parallel: Pipeline ranks (1: none); the mesh is ``(pp, dp, tp)``.
         microbatches: Micro-batches per step of the pipeline.
         schedule: The pipeline schedule, torch's name (``"1F1B"``).
@@ -69,11 +74,13 @@ class PlanRequest:
             each mixture-of-experts layer, ``[layer][rank][expert]``, or ``None`` for a
             balanced router.
         grad_accumulation: Micro-steps per optimizer step.
-        sync_each_micro_step: Whether each micro-step reduces its gradients.
+        sync_each_micro_step: Whether each micro-step reduces its gradients (resolved: the
+            engine's own way when not asked).
         trainable_params: Parameters that train (``requires_grad``).
         frozen_params: Parameters that do not.
     """
 
+    source: Any
     model: nn.Module
     strategy: str
     engine: Engine
@@ -90,6 +97,9 @@ class PlanRequest:
     tensor_parallel: int
     tp_plan: Mapping[str, str] | None
     sequence_parallel: bool
+    foreach: bool
+    gpus_per_node: int | None = None
+    reduce_dtype: str = "fp32"
     pipeline_parallel: int = 1
     microbatches: int = 1
     schedule: str = "1F1B"
@@ -119,6 +129,11 @@ class PlanRequest:
     def comm_dtype(self) -> str:
         """What the engine's collectives carry: bf16 where the parameters are cast."""
         return "bf16" if self.precision == "mixed" and not self.autocast else "fp32"
+
+    @property
+    def mixed_kind(self) -> str:
+        """How the trace runs bf16: on cast parameters, or under autocast."""
+        return "params" if self.engine.mixed_precision == "params" else "autocast"
 
     @property
     def data_parallel(self) -> int:
@@ -170,6 +185,9 @@ def resolve(
     tp_plan: Mapping[str, str] | None,
     settings: Mapping[str, Any] | None,
     sequence_parallel: bool,
+    foreach: bool = True,
+    gpus_per_node: int | None = None,
+    reduce_dtype: str | None = None,
     pipeline_parallel: int = 1,
     microbatches: int | None = None,
     schedule: str | None = None,
@@ -179,7 +197,7 @@ def resolve(
     expert_parallel: int = 1,
     expert_routing: Any = None,
     grad_accumulation: int = 1,
-    sync_each_micro_step: bool = False,
+    sync_each_micro_step: bool | None = None,
     trainable: TrainableRule | None = None,
 ) -> PlanRequest:
     """``plan()``'s keywords checked, in the order a caller's mistakes are best named.
@@ -226,6 +244,11 @@ def resolve(
     check_tied(model, policy)
     tp = _check_tensor_parallel(engine, world_size, tensor_parallel)
     _check_sequence_parallel(sequence_parallel, tp, seq_len)
+    if not isinstance(foreach, bool):
+        raise PlanError(f"foreach must be True or False, got {foreach!r}")
+    engine = _on_nodes(engine, world_size // tp, gpus_per_node)
+    if optimizer == "adamw":  # Adam's moments and step; the weight decay keeps no state
+        optimizer = "adam"
     pipeline = check_pipeline(
         model,
         name=name,
@@ -258,6 +281,7 @@ def resolve(
             f"{what} with pipeline, context or expert parallelism is not planned: plan them apart"
         )
     return PlanRequest(
+        source=model_or_builder,
         model=model,
         strategy=name,
         engine=engine,
@@ -274,6 +298,9 @@ def resolve(
         tensor_parallel=tp,
         tp_plan=tp_plan,
         sequence_parallel=sequence_parallel,
+        foreach=foreach,
+        gpus_per_node=gpus_per_node,
+        reduce_dtype=_reduce_dtype(engine, precision, reduce_dtype),
         **pipeline,
         context_parallel=cp,
         cp_layout=cp_layout,
@@ -284,6 +311,40 @@ def resolve(
         trainable_params=trainable_params,
         frozen_params=frozen_params,
     )
+
+
+def _on_nodes(engine: Engine, data_parallel: int, gpus_per_node: int | None) -> Engine:
+    """``engine`` on nodes of ``gpus_per_node``: HSDP (an engine with a ``shard_group``)
+    shards within a node and replicates across nodes.
+
+    Raises:
+        PlanError: For a node size that is not an int >= 1, or data-parallel ranks that
+            fill no whole number of nodes under HSDP.
+    """
+    if gpus_per_node is None:
+        return engine
+    _int_at_least("gpus_per_node", gpus_per_node, 1)
+    if getattr(engine, "shard_group", None) is None:
+        return engine
+    shard = min(gpus_per_node, data_parallel)
+    if data_parallel % shard:
+        raise PlanError(
+            f"{data_parallel} data-parallel ranks are not a whole number of nodes of "
+            f"{gpus_per_node} GPUs: HSDP shards within a node; give a world size that "
+            "divides by gpus_per_node"
+        )
+    return replace(engine, **{"shard_group": shard})
+
+
+def _reduce_dtype(engine: Engine, precision: str, reduce_dtype: str | None) -> str:
+    """What the gradients' collectives carry: fp32 in fp32 and under autocast (the gradients
+    are fp32), else ``reduce_dtype``, fp32 by default for every engine (as the guide's FSDP2
+    script sets it; DeepSpeed's own default is bf16, its ``communication_data_type``)."""
+    if reduce_dtype not in (None, "fp32", "bf16"):
+        raise PlanError(f"reduce_dtype must be 'fp32', 'bf16' or None, got {reduce_dtype!r}")
+    if precision != "mixed" or engine.mixed_precision == "autocast":
+        return "fp32"
+    return reduce_dtype or "fp32"
 
 
 def _check_tensor_parallel(engine: Engine, world_size: int, tensor_parallel: object) -> int:

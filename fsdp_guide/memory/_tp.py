@@ -13,6 +13,11 @@ its tensors, as :class:`fsdp_guide.parallel.ParallelTransformer` does, traces un
 Communication: a rowwise layer's output is all-reduced in forward, a colwise layer's input
 gradient in backward (``t`` ranks each); for ``b`` samples of ``s`` tokens per rank, that is
 ``b · s`` times the layer's output features (rowwise) or input features (colwise).
+
+transformers' own plans (a model's ``tp_plan``) add two styles: ``"colwise_gather_output"``
+(the head: colwise, its output all-gathered to the whole vocabulary, so every rank holds the
+whole logits) and ``"embedding_rowwise"`` (the token embedding: ``1 / t`` of the vocabulary's
+rows each, its output all-reduced).
 """
 
 from __future__ import annotations
@@ -37,28 +42,56 @@ def _style(name: str, tp_plan: Styles) -> str | None:
     return None
 
 
+#: The styles a plan may give, and the layer each cuts.
+STYLES: dict[str, type[nn.Module]] = {
+    "colwise": nn.Linear,
+    "rowwise": nn.Linear,
+    "colwise_gather_output": nn.Linear,
+    "embedding_rowwise": nn.Embedding,
+}
+_HOW = "give the layers to cut as tp_plan={'name or pattern': 'colwise' or 'rowwise', ...}"
+
+
+def _cut_features(module: nn.Module, style: str) -> tuple[int, str]:
+    """The features ``style`` cuts in ``module``, and what they are."""
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings, "vocabulary rows"
+    assert isinstance(module, nn.Linear)
+    if style == "rowwise":
+        return module.in_features, "input features"
+    return module.out_features, "output features"
+
+
 def cut_layers(model: nn.Module, tp: int, tp_plan: Styles) -> dict[str, str]:
-    """The linear layers ``tp_plan`` cuts, name to style, checked to divide by ``tp``.
+    """The layers ``tp_plan`` cuts, name to style, checked to divide by ``tp``.
 
     Raises:
-        PlanError: A style other than colwise/rowwise, a named layer that is not
-            ``nn.Linear``, a plan that matches nothing, features that do not divide by ``tp``.
+        PlanError: A style this planner does not cut (with how to give a plan), a named layer
+            of another kind than its style cuts, a plan that matches nothing, features that
+            do not divide by ``tp``.
     """
-    bad = sorted({s for s in tp_plan.values() if s not in ("colwise", "rowwise")})
+    bad = sorted({s for s in tp_plan.values() if s not in STYLES})
     if bad:
-        raise PlanError(f"tp_plan styles must be 'colwise' or 'rowwise', got {bad}")
+        raise PlanError(
+            f"tp_plan styles must be {', '.join(STYLES)}; got {bad}: {_HOW} (on the command "
+            "line, the model's own plan is read from its tp_plan attribute)"
+        )
     cut: dict[str, str] = {}
     for name, module in model.named_modules():
         style = _style(name, tp_plan) if name else None
         if style is None:
             continue
-        if not isinstance(module, nn.Linear):
-            raise PlanError(f"tp_plan names {name!r}, a {type(module).__name__}: name nn.Linear")
-        features = module.out_features if style == "colwise" else module.in_features
+        kind = STYLES[style]
+        if not isinstance(module, kind):
+            raise PlanError(
+                f"tp_plan names {name!r}, a {type(module).__name__}: style {style!r} cuts an "
+                f"nn.{kind.__name__}"
+            )
+        features, what = _cut_features(module, style)
         if features % tp:
             raise PlanError(
-                f"{name} has {features} {'output' if style == 'colwise' else 'input'} features, "
-                f"not divisible by tensor_parallel={tp}: choose a degree that divides them"
+                f"{name} has {features} {what}, not divisible by tensor_parallel={tp}: "
+                "choose a degree that divides them"
             )
         cut[name] = style
     if not cut:
@@ -67,40 +100,56 @@ def cut_layers(model: nn.Module, tp: int, tp_plan: Styles) -> dict[str, str]:
 
 
 def local_model(model: nn.Module, tp: int, cut: Mapping[str, str]) -> nn.Module:
-    """A copy of ``model`` (on the meta device) whose cut layers have a rank's shapes."""
+    """A copy of ``model`` (on the meta device) whose cut layers have a rank's shapes; a
+    ``"colwise_gather_output"`` layer returns its whole output, as its all-gather does."""
     local = copy.deepcopy(model)
     for name, style in cut.items():
         old = local.get_submodule(name)
-        assert isinstance(old, nn.Linear)
-        inner, outer = old.in_features, old.out_features
-        if style == "colwise":
-            outer //= tp
+        new: nn.Module
+        if isinstance(old, nn.Embedding):
+            new = nn.Embedding(old.num_embeddings // tp, old.embedding_dim, device="meta")
         else:
-            inner //= tp
-        new = nn.Linear(inner, outer, bias=old.bias is not None, device="meta")
+            assert isinstance(old, nn.Linear)
+            inner, outer = old.in_features, old.out_features
+            if style == "rowwise":
+                inner //= tp
+            else:
+                outer //= tp
+            new = nn.Linear(inner, outer, bias=old.bias is not None, device="meta")
+            if style == "colwise_gather_output":
+                new.register_forward_hook(lambda m, args, out: out.repeat_interleave(tp, -1))
         parent, _, leaf = name.rpartition(".")
         setattr(local.get_submodule(parent) if parent else local, leaf, new)
     return local
 
 
-def tp_all_reduce_elements(
+def tp_elements(
     model: nn.Module, cut: Mapping[str, str], batch_size: int, seq_len: int
-) -> int:
-    """Elements all-reduced over ``tp`` per step: rowwise outputs in forward, colwise input
-    gradients in backward, for ``batch_size`` samples of ``seq_len`` tokens.
+) -> dict[str, int]:
+    """Elements sent over ``tp`` per step, by kind: rowwise outputs and the cut embedding's
+    all-reduced in forward, colwise input gradients in backward, a gathered output
+    all-gathered, for ``batch_size`` samples of ``seq_len`` tokens.
 
     Examples:
         >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
-        >>> tp_all_reduce_elements(mlp, {"0": "colwise", "1": "rowwise"}, 2, 3)
-        48
+        >>> tp_elements(mlp, {"0": "colwise", "1": "rowwise"}, 2, 3)
+        {'all_reduce': 48}
+        >>> tp_elements(mlp, {"1": "colwise_gather_output"}, 2, 3)  # 6 x 8 in, 6 x 4 out
+        {'all_reduce': 48, 'all_gather': 24}
     """
-    total = 0
+    out: dict[str, int] = {}
+    tokens = batch_size * seq_len
     for name, style in cut.items():
         layer = model.get_submodule(name)
+        if isinstance(layer, nn.Embedding):
+            out["all_reduce"] = out.get("all_reduce", 0) + tokens * layer.embedding_dim
+            continue
         assert isinstance(layer, nn.Linear)
         features = layer.out_features if style == "rowwise" else layer.in_features
-        total += batch_size * seq_len * features
-    return total
+        out["all_reduce"] = out.get("all_reduce", 0) + tokens * features
+        if style == "colwise_gather_output":
+            out["all_gather"] = out.get("all_gather", 0) + tokens * layer.out_features
+    return out
 
 
 def tp_plan_of(model: nn.Module, tp_plan: Mapping[str, str] | None) -> Mapping[str, str]:

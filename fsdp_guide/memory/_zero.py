@@ -36,10 +36,11 @@ from fsdp_guide.launcher import check_world_size
 from fsdp_guide.memory._state import ModelState
 
 Precision = Literal["fp32", "mixed"]
-OptimizerName = Literal["adam", "sgd", "sgd_momentum"]
+OptimizerName = Literal["adam", "adamw", "sgd", "sgd_momentum"]
 
 # Optimizer bytes per parameter (K). Mixed precision adds the fp32 master weights (4 bytes).
-_OPTIMIZER_BYTES = {"adam": 8, "sgd_momentum": 4, "sgd": 0}
+# AdamW keeps Adam's two moments: its decoupled weight decay adds no state.
+_OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ def bytes_per_param(
 
     Args:
         precision: ``"fp32"`` or ``"mixed"``.
-        optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
+        optimizer: ``"adam"``, ``"adamw"`` (the same bytes as Adam), ``"sgd"`` or
+            ``"sgd_momentum"``.
 
     Raises:
         ValueError: For an unknown precision or optimizer.
@@ -82,7 +84,9 @@ def bytes_per_param(
     if precision not in ("fp32", "mixed"):
         raise ValueError(f"unknown precision {precision!r}; choose 'fp32' or 'mixed'")
     if optimizer not in _OPTIMIZER_BYTES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose 'adam', 'sgd' or 'sgd_momentum'")
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}; choose 'adam', 'adamw', 'sgd' or 'sgd_momentum'"
+        )
     k = _OPTIMIZER_BYTES[optimizer]
     if precision == "mixed":
         return BytesPerParam(params=2, grads=2, optimizer=k + 4)
@@ -111,7 +115,8 @@ def estimate_model_state(
         precision: ``"fp32"`` (4-byte parameters and gradients) or ``"mixed"`` (2-byte ones
             and an fp32 master copy beside the fp32 optimizer state: ZeRO's 16 bytes per
             parameter with Adam).
-        optimizer: ``"adam"``, ``"sgd"`` or ``"sgd_momentum"``.
+        optimizer: ``"adam"``, ``"adamw"`` (the same bytes as Adam), ``"sgd"`` or
+            ``"sgd_momentum"``.
         full_grads: Count the whole gradient on every rank whatever the stage. This is what
             FairScale's ShardedDDP holds after the step when its reduce buckets
             (``reduce_buffer_size``, 2**23 elements by default) cover the model: a bucket

@@ -46,7 +46,7 @@ def test_help_documents_the_options(capsys: pytest.CaptureFixture[str]) -> None:
 def test_grad_accum_is_the_plans_accumulation(
     capsys: pytest.CaptureFixture[str], sync: bool
 ) -> None:
-    flags = ["--sync-each-micro-step"] if sync else []
+    flags = ["--sync-each-micro-step" if sync else "--no-sync-each-micro-step"]
     argv = [*TINY, "--world-size", "2", "--precision", "fp32", "--grad-accum", "4", *flags]
     rows = _json(capsys, argv)
     assert sorted({r["strategy"] for r in rows}) == ["ddp", "fsdp", "fsdp2"]
@@ -110,9 +110,9 @@ BAD = {
         [*TINY, "--trainable", "head.*", "--strategy", "fsdp"],
         "frozen parameters are planned for ddp and fsdp2",
     ),
-    "accumulation under oss": (
-        [*TINY, "--grad-accum", "2", "--strategy", "oss"],
-        "grad_accumulation is planned for ddp, fsdp1, fsdp2",
+    "sync under oss": (
+        [*TINY, "--grad-accum", "2", "--sync-each-micro-step", "--strategy", "oss"],
+        "sync_each_micro_step=True is planned for ddp, fsdp1, fsdp2",
     ),
 }
 

@@ -263,6 +263,7 @@ def _bf16_plan(name: str, strategy: str, world_size: int) -> Any:
         strategy=strategy,
         precision="mixed",
         batch=batch_fn(name),
+        reduce_dtype="bf16",  # MixedPrecision(param_dtype=bf16) reduces in it too
     )
 
 
@@ -317,7 +318,7 @@ def bf16_state(
                 },
                 {
                     **{f: getattr(planned.ranks[rank], f) for f in fields},
-                    **{f"comm_{k}": n * sent.element_size for k, n in sent.payload.items()},
+                    **{f"comm_{k}": n * sent.bytes_per_element(k) for k, n in sent.payload.items()},
                 },
             )
         )

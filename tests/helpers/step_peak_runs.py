@@ -11,7 +11,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fsdp_guide.deepspeed import backward_and_step, is_engine
 from fsdp_guide.engines import wrap_for_strategy
 from fsdp_guide.memory import measure_model_state, plan
-from fsdp_guide.models import Block, build_model, loss_fn, shard_batch, synthetic_batch
+from fsdp_guide.models import (
+    Block,
+    TinyTransformer,
+    TransformerConfig,
+    build_model,
+    loss_fn,
+    shard_batch,
+    synthetic_batch,
+)
 from fsdp_guide.timeline import record_step
 from fsdp_guide.wrap import LayerPolicy, checkpoint_layers, shard
 
@@ -19,12 +27,24 @@ from fsdp_guide.wrap import LayerPolicy, checkpoint_layers, shard
 Run = tuple[str, dict[str, Any]]
 
 
+def demo(config: TransformerConfig | None = None) -> torch.nn.Module:
+    """The demo transformer (of ``config``), seeded as :func:`build_model` seeds it."""
+    if config is None:
+        return build_model("transformer")
+    torch.manual_seed(0)
+    return TinyTransformer(config)
+
+
 def build(
-    strategy: str, settings: dict[str, Any], checkpointing: bool = False, world_size: int = 2
+    strategy: str,
+    settings: dict[str, Any],
+    checkpointing: bool = False,
+    world_size: int = 2,
+    config: TransformerConfig | None = None,
 ) -> tuple[torch.nn.Module, Any]:
     """The demo transformer wrapped for ``strategy``, and its Adam; with ``checkpointing``,
     each ``Block`` checkpointed first (PyTorch's non-reentrant wrapper, as lessons do)."""
-    model = build_model("transformer")
+    model = demo(config)
     if checkpointing:
         checkpoint_layers(model, Block)
     if strategy == "deepspeed_zero3":  # the engine and its optimizer, as the package trains it
@@ -68,6 +88,7 @@ def measure_peaks(
     batch: int,
     attempts: int = ATTEMPTS,
     checkpointing: bool = False,
+    config: TransformerConfig | None = None,
 ) -> list[list[Attempt]]:
     """For each run, ``attempts`` measurements of a steady step, each on a model built afresh.
 
@@ -82,8 +103,9 @@ def measure_peaks(
         # DeepSpeed's Python hooks make a profiled step slow; its peak varied by 8 bytes
         # over attempts (the gathered parameters dwarf gloo's lost releases): one will do.
         for _ in range(1 if strategy == "deepspeed_zero3" else attempts):
-            model, optimizer = build(strategy, settings, checkpointing, world_size)
-            data = shard_batch(synthetic_batch("transformer", batch), rank, world_size)
+            model, optimizer = build(strategy, settings, checkpointing, world_size, config)
+            whole = synthetic_batch("transformer", batch, config=config)
+            data = shard_batch(whole, rank, world_size)
             for _ in range(2 if isinstance(model, DDP) else 1):
                 backward_and_step(model, optimizer, loss_fn(model, data))
                 optimizer.zero_grad()
@@ -119,14 +141,17 @@ def plan_run(
     batch: int,
     world_size: int,
     checkpointing: bool = False,
+    config: TransformerConfig | None = None,
 ) -> Any:
-    """The planner's figures for the same run (``batch`` split over the ranks)."""
+    """The planner's figures for the same run (``batch`` split over the ranks), stepping one
+    tensor at a time as torch's optimizers do on CPU."""
     return plan(
-        build_model("transformer"),
+        demo(config),
         batch_size=batch // world_size,
-        seq_len=32,
+        seq_len=(config or TransformerConfig()).seq_len,
         world_size=world_size,
         strategy=strategy,
         settings=settings,
         activation_checkpointing="blocks" if checkpointing else None,
+        foreach=False,
     )

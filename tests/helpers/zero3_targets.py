@@ -88,3 +88,42 @@ def after_forward(
         del module, optimizer
         torch.manual_seed(0)
     return out
+
+
+def sent_per_step(
+    rank: int, world_size: int, cases: list[tuple[str, dict[str, int]]]
+) -> list[dict[str, dict[str, int]]]:
+    """For each model and ZeRO-3 settings: the payload elements per collective kind of the
+    last of ``STEPS`` steps (forward, backward and ``engine.step()``), measured, and what the
+    planner plans for the same run."""
+    from fsdp_guide.comm import count_collectives
+
+    warnings.filterwarnings("ignore")
+    out = []
+    for name, settings in cases:
+        build, batch, seq = _case(name, rank)
+        engine = replace(engine_for("deepspeed_zero3"), **settings)
+        module, optimizer = engine.build(build(), device=torch.device("cpu"), world_size=2, lr=1e-3)
+        for step in range(STEPS):
+            data = batch(step)
+            with count_collectives() as counted:
+                backward_and_step(module, optimizer, loss_fn(module, data))
+        planned = plan(
+            build,
+            batch_size=BATCH,
+            seq_len=seq,
+            world_size=world_size,
+            strategy="deepspeed_zero3",
+            settings=settings,
+            batch=None if name == "transformer" else hf_models.batch_fn(name),
+        )
+        out.append(
+            {
+                "measured": counted.stats.elements_by_kind(),
+                "planned": dict(planned.communication.payload),
+                "complete": {"yes": int(counted.stats.complete)},
+            }
+        )
+        del module, optimizer
+        torch.manual_seed(0)
+    return out

@@ -117,7 +117,9 @@ def expected_bytes(
         # A flat parameter per unit, each padded to a multiple of group.
         shard = sum(math.ceil(unit / group) for unit in units)
         return 4 * shard, 4 * shard, 8 * shard + STEP_BYTES * len(units)
-    if name in ("fsdp2", "fsdp2_hybrid"):  # each tensor cut along dim 0 into padded chunks
+    # Each tensor cut along dim 0 into padded chunks; kept gathered after forward or offloaded
+    # to host memory (on a CPU run, the same memory), the state between steps is the same.
+    if name in ("fsdp2", "fsdp2_hybrid", "fsdp2_no_reshard", "fsdp2_offload"):
         group = engine_for(name).shard_group_size(world_size)  # HSDP: shard within pairs
         padded = local = 0
         for shape in shapes:

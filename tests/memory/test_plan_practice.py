@@ -120,8 +120,15 @@ def test_a_split_tied_parameter_is_refused_like_fully_shard_refuses_it(
 @pytest.mark.parametrize("reduce_fp32", [None, False, True], ids=["fp32", "bf16", "bf16+fp32"])
 def test_mixed_precision_bytes_per_kind(runs: list[dict[str, Any]], reduce_fp32: bool) -> None:
     precision = "fp32" if reduce_fp32 is None else "mixed"
-    settings = {"reduce_dtype": "fp32"} if reduce_fp32 else None
-    planned = _plan(precision=precision, settings=settings, grad_accumulation=2)
+    # As the run's MixedPrecisionPolicy: reduce_dtype=torch.float32, or None (the bf16
+    # parameters' dtype); plan()'s own default is fp32, as the guide's scripts set it.
+    reduce_dtype = None if reduce_fp32 is None else "fp32" if reduce_fp32 else "bf16"
+    planned = _plan(
+        precision=precision,
+        reduce_dtype=reduce_dtype,
+        grad_accumulation=2,
+        sync_each_micro_step=False,  # as the run: the first micro-step holds the sync back
+    )
     for rank, run in enumerate(runs):
         measured = run["mixed"][reduce_fp32]
         assert measured["state"] == planned.ranks[rank]  # the fp32 state either way
@@ -136,13 +143,28 @@ def test_mixed_precision_bytes_per_kind(runs: list[dict[str, Any]], reduce_fp32:
     [
         ({"grad_accumulation": 0}, "grad_accumulation must be an int >= 1"),
         ({"grad_accumulation": 2.0}, "grad_accumulation must be an int >= 1"),
-        ({"grad_accumulation": 2, "sync_each_micro_step": "no"}, "must be True or False"),
-        ({"grad_accumulation": 2, "strategy": "oss"}, "planned for ddp, fsdp1, fsdp2"),
-        ({"grad_accumulation": 2, "strategy": "deepspeed_zero2"}, "gradient_accumulation_steps"),
+        ({"grad_accumulation": 2, "sync_each_micro_step": "no"}, "must be True, False or None"),
+        (
+            {"grad_accumulation": 2, "sync_each_micro_step": True, "strategy": "oss"},
+            "sync_each_micro_step=True is planned for ddp, fsdp1, fsdp2",
+        ),
+        (
+            {"grad_accumulation": 2, "sync_each_micro_step": False, "strategy": "deepspeed_zero2"},
+            "gradient_accumulation_steps",
+        ),
+        (
+            {
+                "grad_accumulation": 2,
+                "sync_each_micro_step": False,
+                "precision": "mixed",
+                "strategy": "fsdp",
+            },
+            "FSDP1's no_sync",
+        ),
         ({"trainable": ["nothing.*"]}, "matches no parameter"),
         ({"trainable": "head.*"}, "list of parameter-name patterns"),
         ({"trainable": ["head.*"], "strategy": "fsdp"}, "planned for ddp and fsdp2"),
-        ({"settings": {"reduce_dtype": "bf16"}}, "reduce_dtype must be None or 'fp32'"),
+        ({"reduce_dtype": "fp16"}, "reduce_dtype must be 'fp32', 'bf16' or None"),
         ({"grad_accumulation": 2, "context_parallel": 2}, "grad_accumulation > 1 with pipe"),
         ({"trainable": ["head.*"], "context_parallel": 2}, "frozen parameters with pipeline"),
     ],
@@ -152,3 +174,29 @@ def test_bad_values_are_refused_before_anything_is_traced(
 ) -> None:
     with pytest.raises(PlanError, match=match):
         _plan(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "own"),
+    [("fsdp2", True), ("fsdp", True), ("ddp", False), ("deepspeed_zero3", True)],
+)
+def test_each_engine_accumulates_its_own_way_by_default(strategy: str, own: bool) -> None:
+    # sync_each_micro_step=None is the engine's own way; the plan's communication is the
+    # optimizer step's, the accumulation's payload, built from one micro-step's.
+    one = _plan(strategy=strategy)
+    four = _plan(strategy=strategy, grad_accumulation=4)
+    assert four.accumulation.sync_each_micro_step is own
+    assert dict(four.communication.payload) == dict(four.accumulation.payload)
+    for kind, n in one.communication.payload.items():
+        reduces = kind in ("all_reduce", "reduce_scatter")
+        assert four.communication.payload[kind] == (n if reduces and not own else 4 * n), kind
+
+
+def test_held_back_sync_counts_the_whole_gradients_in_the_step_peak() -> None:
+    # FSDP2 with the sync held back keeps every unsharded gradient through each micro-step.
+    one = _plan(grad_accumulation=1)
+    held, synced = (_plan(grad_accumulation=4, sync_each_micro_step=s) for s in (False, True))
+    whole = 4 * sum(p.numel() for p in tiny().parameters())
+    assert held.accumulation.held[0] == whole
+    assert held.step_peak - one.step_peak == whole
+    assert synced.step_peak - one.step_peak == one.state.grads

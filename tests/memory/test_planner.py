@@ -164,7 +164,9 @@ def test_ranks_stay_near_the_formula_and_share_the_optimizer(name: str, precisio
     else:  # padding and Adam's steps move each rank by little
         assert all(abs(s.total / formula.total - 1) < 0.01 for s in got.ranks)
     assert got.state == max(got.ranks, key=lambda s: s.total)
-    assert got.total == got.state.total + got.activations + got.transient
+    # The total is the accelerator's: what offload keeps in host memory is not in it.
+    assert got.total == got.state.total - got.host().total + got.activations + got.transient
+    assert got.host().total > 0 if "offload" in name else got.host().total == 0
     assert got.communication.strategy == name
 
 
@@ -250,7 +252,11 @@ def test_activations_given_skip_the_trace() -> None:
     traced = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="fsdp")
     given = plan(model, batch_size=2, seq_len=8, world_size=2, strategy="fsdp",
                  activations=traced.activations)  # fmt: skip
-    assert given == traced
+    # Everything but the step's peak, which the bytes saved alone cannot follow over the
+    # step (a block's backward, the loss's gradients): planned from them as held throughout.
+    peak = ("step_peak", "step_peak_phase", "step_peak_kind", "rank_peaks")
+    assert replace(given, **{k: getattr(traced, k) for k in peak}) == traced
+    assert given.step_peak != traced.step_peak
 
 
 def test_cpu_offload_takes_the_state_off_the_device() -> None:
