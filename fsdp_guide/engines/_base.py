@@ -63,6 +63,9 @@ class Engine(ABC):
     #: it is deprecated), 2 for one no longer developed (FairScale's last release was in
     #: 2022); the planner's recommendation ranks plans by it first.
     maintenance: ClassVar[int] = 0
+    #: Whether its optimizer steps ``FlatParameter`` objects (FSDP1, FairScale FSDP): torch's
+    #: optimizers take their foreach path for plain tensors, parameters and DTensors only.
+    flat_parameters: ClassVar[bool] = False
     #: Tensors hung on a parameter that hold its data (shards, gathered copies).
     param_buffers: ClassVar[tuple[str, ...]] = ()
     #: Tensors hung on a parameter that hold a gradient shard.

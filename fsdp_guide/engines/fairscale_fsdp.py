@@ -144,6 +144,7 @@ class FairScaleFSDP(UnitEngine):
     maintenance = 2
     sharded_layout = "rank_files"  # its local state dicts, loadable at the same world size
     full_optimizer_keys = "own"  # its gathered optimizer state, keyed by position
+    flat_parameters = True
     aliases = ("fairscale",)  # shard()'s name for it before the catalog named every engine
     # FairScale 0.4.13 (FullyShardedDataParallel._init_param_attributes): the fp32 shard, a
     # 16-bit copy, the padded gathered parameter; gradient shards (it makes them p.grad).

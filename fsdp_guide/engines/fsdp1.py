@@ -76,6 +76,7 @@ class FSDP1(TorchStateDict, UnitEngine):
     title = "PyTorch FSDP1 (FullyShardedDataParallel)"
     maintenance = 1
     mixed_precision = "params"
+    flat_parameters = True
     aliases = ("torch",)  # shard()'s name for it before the catalog named every engine
     # On the FlatParameter: its shard, a low-precision copy of the shard, the padded
     # gathered parameter (FlatParamHandle.init_flat_param_attributes); gradient shards.

@@ -75,7 +75,7 @@ def plan(
     tp_plan: Mapping[str, str] | None = None,
     settings: Mapping[str, Any] | None = None,
     sequence_parallel: bool = False,
-    foreach: bool = True,
+    foreach: bool | None = None,
     gpus_per_node: int | None = None,
     reduce_dtype: str | None = None,
     pipeline_parallel: int = 1,
@@ -133,9 +133,12 @@ def plan(
             all-reduce of each rowwise layer becomes a reduce-scatter, each cut module's input
             and the head's input are all-gathered, backward mirrors them, and the norms'
             replicated weights have their gradients all-reduced over ``tp``.
-        foreach: How the optimizer steps: ``True`` (torch's default on CUDA) every tensor at
-            once, which allocates a temporary as large as the tensors it steps; ``False``
-            (its default on CPU) one tensor at a time, two temporaries of the largest.
+        foreach: How the optimizer steps: ``True`` every tensor at once, which allocates a
+            temporary as large as the tensors it steps; ``False`` (torch's default on CPU)
+            one tensor at a time, two temporaries of the largest. ``None`` (the default)
+            plans what torch's Adam picks on CUDA: every tensor at once for plain and
+            DTensor parameters, one at a time for the ``FlatParameter`` objects FSDP1 and
+            FairScale FSDP step (torch takes its foreach path for those types only).
         gpus_per_node: GPUs of a node. HSDP (``"fsdp2_hybrid"``, ``"fsdp_hybrid"``) then
             shards within a node and replicates across nodes (without it, in the row's
             groups of 2); the communication says which collectives cross nodes.

@@ -57,7 +57,9 @@ class PlanRequest:
         tensor_parallel: Ranks per tensor-parallel group (1: none).
         tp_plan: Layer name (or pattern) to style, or ``None`` for the model's own.
         sequence_parallel: Whether the sequence is cut over the tensor-parallel ranks too.
-        foreach: Whether the optimizer steps every tensor at once (torch's default on CUDA).
+        foreach: Whether the optimizer steps every tensor at once; resolved from ``None`` to
+            torch's own choice on CUDA (every tensor at once, unless the engine steps flat
+            parameters).
         gpus_per_node: GPUs of a node (``None``: not given); HSDP shards within a node.
         reduce_dtype: What the gradients' collectives carry: ``"fp32"`` or ``"bf16"``.
         pipeline_parallel: Pipeline ranks (1: none); the mesh is ``(pp, dp, tp)``.
@@ -185,7 +187,7 @@ def resolve(
     tp_plan: Mapping[str, str] | None,
     settings: Mapping[str, Any] | None,
     sequence_parallel: bool,
-    foreach: bool = True,
+    foreach: bool | None = None,
     gpus_per_node: int | None = None,
     reduce_dtype: str | None = None,
     pipeline_parallel: int = 1,
@@ -244,8 +246,8 @@ def resolve(
     check_tied(model, policy)
     tp = _check_tensor_parallel(engine, world_size, tensor_parallel)
     _check_sequence_parallel(sequence_parallel, tp, seq_len)
-    if not isinstance(foreach, bool):
-        raise PlanError(f"foreach must be True or False, got {foreach!r}")
+    if foreach is not None and not isinstance(foreach, bool):
+        raise PlanError(f"foreach must be True, False or None, got {foreach!r}")
     engine = _on_nodes(engine, world_size // tp, gpus_per_node)
     if optimizer == "adamw":  # Adam's moments and step; the weight decay keeps no state
         optimizer = "adam"
@@ -298,7 +300,7 @@ def resolve(
         tensor_parallel=tp,
         tp_plan=tp_plan,
         sequence_parallel=sequence_parallel,
-        foreach=foreach,
+        foreach=(not engine.flat_parameters) if foreach is None else foreach,
         gpus_per_node=gpus_per_node,
         reduce_dtype=_reduce_dtype(engine, precision, reduce_dtype),
         **pipeline,

@@ -15,19 +15,18 @@ from __future__ import annotations
 import gc
 import json
 import os
-import sys
 import tempfile
-import warnings
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_guide._own_allocations import own_allocations
+from fsdp_guide._own_allocations import OwnAllocations, own_allocations
 from fsdp_guide.comm import payload_of
+from fsdp_guide.timeline._quiet import native_stderr_closed, native_stderr_filtered, quiet
 
 #: The categories of a timeline, in the order tables and plots show them.
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
@@ -133,6 +132,21 @@ class StepTimeline:
             out[event.kind] = out.get(event.kind, 0) + event.bytes
         return out
 
+    def plot(self, title: str = "", path: str | os.PathLike[str] | None = None) -> Any:
+        """Draw the step: each category's bytes stacked over it, the phases shaded, the peak
+        marked, and every collective on the same axis underneath.
+
+        Args:
+            title: Drawn above the plot.
+            path: Where to write a PNG; ``None`` to only return the figure.
+
+        Returns:
+            The matplotlib ``Figure`` (matplotlib is imported here).
+        """
+        from fsdp_guide.timeline._plot import plot_step  # matplotlib only when drawing
+
+        return plot_step(self, title, path)
+
 
 class _Marked(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Runs each c10d op inside a ``record_function`` naming its kind and payload bytes."""
@@ -146,26 +160,54 @@ class _Marked(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return func(*args, **(kwargs or {}))
 
 
-@contextmanager
-def _native_stderr_closed() -> Iterator[None]:
-    """Send what native code writes to stderr to /dev/null: the profiler logs a line when it
-    starts and stops on every rank, which would bury a lesson's output."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
+#: A step releases all it allocates but its loss (a few bytes): more unreleased than this is a
+#: release the profiler did not see.
+_LOST = 64
+
+
+def _profiled(
+    forward: Callable[[], Any], backward: Callable[[Any], None], step: Callable[[], None]
+) -> torch.profiler.profile:
+    """One training step under torch's profiler, its own notices kept out of the output."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(
+        activities=activities, profile_memory=True, record_shapes=True, with_stack=True
+    )
+    # The cyclic garbage collector runs when allocation counts say so, freeing tensors held
+    # in reference cycles (autograd graphs, FSDP's hooks) at moments that differ from run to
+    # run: off during the step, so the same step allocates the same bytes every time.
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    with native_stderr_closed():
+        profiler.start()
     try:
-        yield
+        with native_stderr_filtered(), _Marked():  # type: ignore[no-untyped-call]
+            with torch.profiler.record_function(f"{_MARK}forward"):
+                out = forward()
+            with torch.profiler.record_function(f"{_MARK}backward"):
+                backward(out)
+            with torch.profiler.record_function(f"{_MARK}optimizer step"):
+                step()
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        with native_stderr_closed():
+            profiler.stop()
+        if gc_was_enabled:
+            gc.enable()
+    return profiler
 
 
-@contextmanager
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():  # the memory timeline export warns it is deprecated
-        warnings.simplefilter("ignore", FutureWarning)
-        yield
+def _lost_anywhere(lost: bool, device: torch.device) -> bool:
+    """Whether any rank's step lost a release (this rank's answer outside a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return lost
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([int(lost)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def record_step(
@@ -175,6 +217,7 @@ def record_step(
     *,
     state_before: Mapping[str, int],
     trace_path: str | os.PathLike[str] | None = None,
+    attempts: int = 1,
 ) -> StepTimeline:
     """Run one training step under torch's profiler and return its timeline on this rank.
 
@@ -191,48 +234,37 @@ def record_step(
             or buckets count as ``optimizer`` and ``grads``).
         trace_path: Where to write the profiler's Chrome trace (open it in Perfetto or
             ``chrome://tracing``); ``None`` for none.
+        attempts: How many steps to record at most. A step whose profile lost the release
+            of a buffer (:attr:`StepTimeline.unreleased` over a few bytes on any rank) is
+            followed by another, up to this many, and the one that lost the least is
+            returned. Pass the same value on every rank: the ranks agree, by a collective,
+            on whether to record another step.
 
     Returns:
         The step's timeline (a ``StepTimeline``).
 
     Raises:
         ValueError: For a category of ``state_before`` outside ``params``, ``grads``,
-            ``optimizer``, or a negative byte count.
+            ``optimizer``, or a negative byte count; for ``attempts`` below 1.
     """
     bad = {k: v for k, v in state_before.items() if k not in CATEGORIES[:3] or v < 0}
     if bad:
         raise ValueError(f"state_before takes bytes >= 0 of params, grads and optimizer; got {bad}")
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    profiler = torch.profiler.profile(
-        activities=activities, profile_memory=True, record_shapes=True, with_stack=True
-    )
-    # The cyclic garbage collector runs when allocation counts say so, freeing tensors held
-    # in reference cycles (autograd graphs, FSDP's hooks) at moments that differ from run to
-    # run: off during the step, so the same step allocates the same bytes every time.
-    gc.collect()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    with _native_stderr_closed():
-        profiler.start()
-    try:
-        with _Marked():  # type: ignore[no-untyped-call]
-            with torch.profiler.record_function(f"{_MARK}forward"):
-                out = forward()
-            with torch.profiler.record_function(f"{_MARK}backward"):
-                backward(out)
-            with torch.profiler.record_function(f"{_MARK}optimizer step"):
-                step()
-    finally:
-        with _native_stderr_closed():
-            profiler.stop()
-        if gc_was_enabled:
-            gc.enable()
+    if attempts < 1:
+        raise ValueError(f"attempts is how many steps to record at most, 1 or more; got {attempts}")
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    # Only the calling thread's allocations: gloo's worker threads allocate staging copies
-    # that they free at moments that differ from run to run.
-    own = own_allocations(profiler, f"{_MARK}forward", device)
+    kept: tuple[torch.profiler.profile, OwnAllocations] | None = None
+    for attempt in range(attempts):
+        profiler = _profiled(forward, backward, step)
+        # Only the calling thread's allocations: gloo's worker threads allocate staging
+        # copies that they free at moments that differ from run to run.
+        own = own_allocations(profiler, f"{_MARK}forward", device)
+        if kept is None or own.unreleased < kept[1].unreleased:
+            kept = (profiler, own)
+        if attempt == attempts - 1 or not _lost_anywhere(own.unreleased > _LOST, device):
+            break
+    assert kept is not None  # the loop ran at least once
+    profiler, own = kept
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.fspath(trace_path) if trace_path else os.path.join(tmp, "trace.json")
         profiler.export_chrome_trace(trace)
@@ -241,7 +273,7 @@ def record_step(
     # The memory profile counts microseconds since the epoch; the trace from its own base.
     base = float(trace_json.get("baseTimeNanoseconds", 0)) / 1000
     try:
-        with _quiet():
+        with quiet():
             times, sizes = _categorised(profiler, device, own.foreign)
         categorised = True
     except Exception:

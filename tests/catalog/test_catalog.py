@@ -159,5 +159,7 @@ def test_detect_names_the_engine_of_every_cpu_strategy() -> None:
     from fsdp_guide import launch
 
     cpu = [name for name, spec in STRATEGIES.items() if not spec.needs_cuda]
-    detected = launch(_detected_engines, 2, args=(cpu,), backend="gloo", timeout=120)[0]
+    detected = launch(
+        _detected_engines, 2, args=(cpu,), backend="gloo", start_method="fork", timeout=120
+    )[0]
     assert detected == {name: STRATEGIES[name].engine for name in cpu}

@@ -151,6 +151,7 @@ def runs() -> Callable[[int], list[Results]]:
                 world_size,
                 args=(cases, LOSS_CASES if world_size == 2 else []),
                 backend="gloo",
+                start_method="fork",
                 timeout=600,
             )
         return launched[world_size]

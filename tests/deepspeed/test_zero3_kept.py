@@ -39,7 +39,9 @@ SLACK = 4096  # bytes
 
 @pytest.fixture(scope="module")
 def ranks() -> list[list[dict[str, int]]]:
-    out: list[list[dict[str, int]]] = launch(after_forward, world_size=2, args=(CASES,))
+    out: list[list[dict[str, int]]] = launch(
+        after_forward, world_size=2, args=(CASES,), start_method="fork"
+    )
     return out
 
 

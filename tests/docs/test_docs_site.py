@@ -1,7 +1,8 @@
 """Checks over the built documentation site (docs/_build/html).
 
-CI builds the site with ``python -m sphinx -nW --keep-going`` before running pytest; when
-the HTML is missing or older than its sources, the fixture below builds it the same way.
+CI builds the site with ``python -m sphinx -nW --keep-going`` before running pytest and names
+it in ``FSDP_GUIDE_SITE``: the tests read that build. Without the variable, the fixture below
+builds the site the same way when the HTML is missing or older than its sources.
 The checks: every notebook has a page showing its stored outputs, every public name of
 ``fsdp_guide`` is in the API reference, every internal link and anchor resolves, and the
 pages generated from the repository (CLI help, benchmark tables) follow it.
@@ -10,6 +11,8 @@ pages generated from the repository (CLI help, benchmark tables) follow it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import html
 import importlib
 import importlib.util
@@ -84,26 +87,50 @@ def site() -> Path:
     """The built HTML site; built here (as CI builds it) when missing, stale or not clean.
 
     The build starts from a fresh environment (-E): an incremental build does not repeat
-    the warnings of pages it does not read again.
+    the warnings of pages it does not read again. ``FSDP_GUIDE_SITE`` names a site already
+    built from this checkout (CI's, built with the same command just before the tests).
     """
-    if _site_is_stale():
-        command = [sys.executable, "-m", "sphinx", "-nW", "--keep-going", "-E", "-q", "-b", "html"]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
-        started = time.monotonic()
-        done = subprocess.run(
-            [*command, str(DOCS), str(SITE)],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
+    if built := os.environ.get("FSDP_GUIDE_SITE"):
+        path = Path(built)
+        assert (path / ".fsdp-docs-clean-build").exists(), (
+            f"FSDP_GUIDE_SITE={built} holds no clean build (no warning-free sphinx run wrote "
+            "it): build the docs there, or unset the variable to build them here"
         )
-        assert done.returncode == 0, f"docs build failed:\n{done.stdout}\n{done.stderr}"
-        # -q leaves only warnings on stderr; a Python warning printed there is one too.
-        assert done.stderr.strip() == "", f"the docs build printed:\n{done.stderr}"
-        assert not _site_is_stale(), "the build passed but left no clean-build marker"
-        print(f"built the docs in {time.monotonic() - started:.1f} s")
+        return path
+    with _one_builder():
+        if _site_is_stale():
+            _build_site()
     return SITE
+
+
+@contextlib.contextmanager
+def _one_builder() -> Iterator[None]:
+    """Hold the build's lock: with ``pytest -n 2`` another worker may need the site too; it
+    waits here, then finds the site fresh."""
+    lock = DOCS / "_build" / ".site-build.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+
+
+def _build_site() -> None:
+    command = [sys.executable, "-m", "sphinx", "-nW", "--keep-going", "-E", "-q", "-b", "html"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MPLBACKEND": "Agg"}
+    started = time.monotonic()
+    done = subprocess.run(
+        [*command, str(DOCS), str(SITE)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"docs build failed:\n{done.stdout}\n{done.stderr}"
+    # -q leaves only warnings on stderr; a Python warning printed there is one too.
+    assert done.stderr.strip() == "", f"the docs build printed:\n{done.stderr}"
+    assert not _site_is_stale(), "the build passed but left no clean-build marker"
+    print(f"built the docs in {time.monotonic() - started:.1f} s")
 
 
 @dataclass

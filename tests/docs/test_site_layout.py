@@ -37,11 +37,21 @@ LESSON_TABLES = {
     "notebooks/09_deepspeed_zero.html": "run | params | master | grads | buckets | Adam",
     "notebooks/10_lightning_fsdp_strategies.html": "sharding | ranks | rank | params in flight",
 }
+# Lessons 11-14: their figures, tables and printed outputs, at a laptop's and a phone's width.
+LESSON_11 = "notebooks/11_building_and_loading_big_models.html"
+LESSON_12 = "notebooks/12_sharded_checkpoints.html"
+LESSONS_11_TO_14 = [
+    LESSON_11,
+    LESSON_12,
+    "notebooks/13_one_step_in_time.html",
+    "notebooks/14_beyond_data_parallelism.html",
+]
 PAGES = [
     *site_layout.KEY_PAGES,
     "api/fsdp_guide.launcher.magic.html",
     *LESSONS_01_05,
     *(page for page in LESSON_TABLES if page not in site_layout.KEY_PAGES),
+    *LESSONS_11_TO_14,
 ]
 
 
@@ -63,6 +73,8 @@ def test_no_output_scrolls_sideways_at_1280(layouts: dict, name: str) -> None:
         (LESSONS_01_05[0], "rank | parameter bytes"),
         ("guide/will_it_fit.html", "model |"),  # the table with the recommended column
         *LESSON_TABLES.items(),
+        (LESSON_11, "method | peak, rank 0 | peak, rank 1 | predicted"),
+        (LESSON_12, "checkpoint | written, rank 0 | written, rank 1 | predicted"),
     ],
 )
 def test_named_tables_fit_at_1280(layouts: dict, name: str, header: str) -> None:

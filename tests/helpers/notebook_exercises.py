@@ -6,13 +6,15 @@ An exercise is three cells (see the engineers' exercise format): a code cell tag
 wrong answer), and a markdown cell ``<details><summary>Solution</summary>`` with one fenced
 python block that replaces the stub.
 
-Running a whole lesson again to check its solutions would cost as much as nbval's run of it.
-:func:`needed_cells` instead finds, by reading the code, the cells whose names the exercises
-use: for each name, the last cell before the use that defines it (and earlier ones when that
-definition is conditional), the cells in between that change it in place (``x.a = ...``,
-``x[i] = ...``, ``x.append(...)``), and, in turn, what those cells use. The lesson's first
-code cell (imports, the rank plan) and ``%load_ext`` lines always run. A name defined only by
-a cell the slice leaves out fails the run loudly (a ``NameError``), never silently.
+The exercises run in the lesson's own kernel after nbval has run the lesson
+(``lesson_checks.py``). When the lesson's cells were deselected (``pytest -k exercise``),
+:func:`needed_cells` finds, by reading the code, the cells whose names the exercises use, so
+that only those run first: for each name, the last cell before the use that defines it (and
+earlier ones when that definition is conditional), the cells in between that change it in
+place (``x.a = ...``, ``x[i] = ...``, ``x.append(...)``), and, in turn, what those cells use.
+The lesson's first code cell (imports, the rank plan) and ``%load_ext`` lines always run. A
+name defined only by a cell the slice leaves out fails the run loudly (a ``NameError``),
+never silently.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +32,73 @@ SOLUTION_RE = re.compile(
     re.DOTALL,
 )
 NUMBER_RE = re.compile(r"Exercise (\d+):")
+
+
+# Runs before the solutions: the checks' launches are seeded and deterministic, so a launch of
+# the same function with the same arguments (a second check, or the pass with wrong answers)
+# gets the first one's results back instead of starting the ranks again.
+REPLAY_LAUNCHES = textwrap.dedent(
+    """
+    _launched = {}
+    if "launch" in globals():
+        _launch_ranks = launch
+
+        def launch(fn, *args, **kwargs):
+            key = (getattr(fn, "__qualname__", repr(fn)), repr(args), repr(kwargs))
+            if key not in _launched:
+                _launched[key] = _launch_ranks(fn, *args, **kwargs)
+            return _launched[key]
+
+
+    def _report_answers(number, names):
+        # What a solution gave its names, when it is a number or a short string.
+        import json
+
+        shown = {}
+        for name in names:
+            value = globals().get(name)
+            if isinstance(value, int | float | str) and not isinstance(value, bool):
+                if not isinstance(value, str) or len(value) <= 40:
+                    shown[name] = value
+        print(f"ANSWERS {number} " + json.dumps(shown))
+    """
+)
+
+# Replaces a reader's answer by a wrong one of the same shape (run in the kernel).
+WRONG_ANSWER = textwrap.dedent(
+    '''
+    def _wrong_answer(value):
+        """A value of the same kind as `value` that is not equal to it."""
+        import torch
+
+        if isinstance(value, bool):
+            return not value
+        if isinstance(value, int):
+            return value + 1
+        if isinstance(value, float):
+            return value * 1.5 + 1.0
+        if isinstance(value, str):
+            return value + " (wrong)"
+        if isinstance(value, torch.Tensor):
+            return value + 1
+        if isinstance(value, tuple | list):
+            items = list(value) or ["wrong"]
+            items[0] = _wrong_answer(items[0]) if value else items[0]
+            return type(value)(items)
+        if isinstance(value, dict):
+            if not value:
+                return {"wrong": 1}
+            first = next(iter(value))
+            return {**value, first: _wrong_answer(value[first])}
+        if isinstance(value, set | frozenset):
+            return type(value)(value | {"wrong"})
+        if callable(value):
+            def wrong(*args, **kwargs):
+                return _wrong_answer(value(*args, **kwargs))
+            return wrong
+        raise TypeError(f"no wrong answer known for a {type(value).__name__}")
+    '''
+)
 
 
 class ExerciseFormatError(AssertionError):

@@ -1,14 +1,16 @@
 """The package as a user installs it: a wheel built from the checkout, in a fresh venv.
 
 CI (``.ci/run``) builds the sdist and wheel, checks them and runs ``python -m fsdp_guide
-compare`` from the wheel in a venv of its own. This test does the cheap half on every run:
-build, check the metadata and contents, install the wheel alone into a new venv (its
-dependencies borrowed from this environment), and run the command line from outside the
-checkout, so nothing but the wheel can be imported.
+compare`` from the wheel in a venv of its own, then names that build in ``FSDP_GUIDE_DIST``.
+This test does the cheap half on every run: build (or take CI's), check the metadata and
+contents, install the wheel alone into a new venv (its dependencies borrowed from this
+environment), and run the command line from outside the checkout, so nothing but the wheel
+can be imported.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -23,6 +25,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sdist and wheel: CI's (``FSDP_GUIDE_DIST``, built from this checkout just before
+    the tests), or built here."""
+    if built := os.environ.get("FSDP_GUIDE_DIST"):
+        return Path(built)
     out = tmp_path_factory.mktemp("dist")
     subprocess.run(
         [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(REPO)],

@@ -1,34 +1,24 @@
-"""Every lesson's exercises: at least three, each a stub, a check and a solution, in that order;
-the committed notebook's checks say "not attempted yet"; each solution, put in place of its
-stub and run in a real kernel, makes its check print "correct"; and a wrong answer makes the
-check raise AssertionError.
+"""Every lesson's exercises: at least three, each a stub, a check and a solution, in that order,
+and the committed notebook's checks say "not attempted yet".
 
-Cost: nbval already runs every lesson top to bottom with the stubs. Here each notebook is cut
-down to the cells its exercises depend on (``notebook_exercises.needed_cells``: its setup cell,
-and the cells defining what the solutions and checks read), so a lesson's long measurements
-run only when an exercise reads their results. One kernel per notebook runs that slice, then
-the solutions and their checks, then each check once more with a wrong answer; a ``launch`` of
-the same function with the same arguments runs once (the pass with wrong answers gets back
-what the ranks returned in the first).
+That each solution, put in place of its stub, makes its check print "correct", that a wrong
+answer makes the check raise AssertionError, and that no answer is printed above its exercise
+is checked in the lesson's own kernel, right after nbval has run the lesson: the items
+``exercise N``, ``exercise N rejects a wrong answer`` and ``no answer printed above the
+exercises`` of ``notebooks/NN_*.ipynb`` (``tests/helpers/lesson_checks.py``). Each lesson
+then runs once in the suite, not once for nbval and once more for its exercises.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 import json
-import re
-import textwrap
 from pathlib import Path
 from typing import Any
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 from notebook_exercises import (
     Exercise,
     ExerciseFormatError,
-    exercise_uses,
     exercises,
     given_away,
     needed_cells,
@@ -40,72 +30,6 @@ from notebook_exercises import (
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 LESSONS = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 MIN_EXERCISES = 3
-
-# Runs before the solutions: the checks' launches are seeded and deterministic, so a launch of
-# the same function with the same arguments (a second check, or the pass with wrong answers)
-# gets the first one's results back instead of starting the ranks again.
-REPLAY_LAUNCHES = textwrap.dedent(
-    """
-    _launched = {}
-    if "launch" in globals():
-        _launch_ranks = launch
-
-        def launch(fn, *args, **kwargs):
-            key = (getattr(fn, "__qualname__", repr(fn)), repr(args), repr(kwargs))
-            if key not in _launched:
-                _launched[key] = _launch_ranks(fn, *args, **kwargs)
-            return _launched[key]
-
-
-    def _report_answers(number, names):
-        # What a solution gave its names, when it is a number or a short string.
-        import json
-
-        shown = {}
-        for name in names:
-            value = globals().get(name)
-            if isinstance(value, int | float | str) and not isinstance(value, bool):
-                if not isinstance(value, str) or len(value) <= 40:
-                    shown[name] = value
-        print(f"ANSWERS {number} " + json.dumps(shown))
-    """
-)
-
-# Replaces a reader's answer by a wrong one of the same shape (run in the kernel).
-WRONG_ANSWER = textwrap.dedent(
-    '''
-    def _wrong_answer(value):
-        """A value of the same kind as `value` that is not equal to it."""
-        import torch
-
-        if isinstance(value, bool):
-            return not value
-        if isinstance(value, int):
-            return value + 1
-        if isinstance(value, float):
-            return value * 1.5 + 1.0
-        if isinstance(value, str):
-            return value + " (wrong)"
-        if isinstance(value, torch.Tensor):
-            return value + 1
-        if isinstance(value, tuple | list):
-            items = list(value) or ["wrong"]
-            items[0] = _wrong_answer(items[0]) if value else items[0]
-            return type(value)(items)
-        if isinstance(value, dict):
-            if not value:
-                return {"wrong": 1}
-            first = next(iter(value))
-            return {**value, first: _wrong_answer(value[first])}
-        if isinstance(value, set | frozenset):
-            return type(value)(value | {"wrong"})
-        if callable(value):
-            def wrong(*args, **kwargs):
-                return _wrong_answer(value(*args, **kwargs))
-            return wrong
-        raise TypeError(f"no wrong answer known for a {type(value).__name__}")
-    '''
-)
 
 
 def _cells(notebook: str) -> list[dict[str, Any]]:
@@ -154,98 +78,6 @@ def test_the_committed_checks_say_not_attempted(notebook: str) -> None:
         assert "nbval-check-output" in check["metadata"].get("tags", []), (
             "tag the check 'nbval-check-output' so nbval compares what it prints"
         )
-
-
-def _solved_notebook(notebook: str) -> tuple[nbformat.NotebookNode, list[int]]:
-    """The slice of the lesson the exercises need, then solutions, checks and wrong answers."""
-    original = nbformat.reads((NOTEBOOKS / notebook).read_text(), as_version=4)
-    found = _exercises(notebook)
-    uses = set().union(*(exercise_uses(e) for e in found))
-    keep = needed_cells(_cells(notebook), uses, found[0].stub_index)
-    cells = [copy.deepcopy(original.cells[i]) for i in keep]
-    for cell in cells:
-        cell.outputs = []
-    cells.append(nbformat.v4.new_code_cell(REPLAY_LAUNCHES))
-    for exercise in found:
-        report = f"\n_report_answers({exercise.number}, {list(exercise.names)!r})\n"
-        cells.append(nbformat.v4.new_code_cell(exercise.solution + report))
-        cells.append(nbformat.v4.new_code_cell(exercise.check))
-    cells.append(nbformat.v4.new_code_cell(WRONG_ANSWER))
-    for exercise in found:
-        wrong = [f"{name} = _wrong_answer({name})" for name in exercise.names]
-        probe = "\n".join(
-            [
-                *wrong,
-                "try:",
-                textwrap.indent(exercise.check, "    "),
-                "except AssertionError as _error:",
-                f"    print('Exercise {exercise.number}: rejected a wrong answer:', _error)",
-                "else:",
-                f"    print('Exercise {exercise.number}: ACCEPTED A WRONG ANSWER')",
-            ]
-        )
-        cells.append(nbformat.v4.new_code_cell(probe))
-    solved = copy.deepcopy(original)
-    solved.cells = cells
-    return solved, keep
-
-
-def _printed(cell: nbformat.NotebookNode) -> str:
-    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
-
-
-@functools.cache
-def _executed(notebook: str) -> nbformat.NotebookNode:
-    """The solved slice of the lesson, run once in a kernel (both tests below read it)."""
-    solved, _ = _solved_notebook(notebook)
-    NotebookClient(
-        solved, timeout=300, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}}
-    ).execute()
-    return solved
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("notebook", LESSONS)
-def test_solutions_pass_their_checks_and_wrong_answers_fail(notebook: str) -> None:
-    found = _exercises(notebook)
-    solved = _executed(notebook)
-    checks = solved.cells[-(3 * len(found) + 1) : -(len(found) + 1)][1::2]
-    probes = solved.cells[-len(found) :]
-    for exercise, check, probe in zip(found, checks, probes, strict=True):
-        # Ranks a check launches may print first; the check's own verdict comes last.
-        last = _printed(check).strip().splitlines()[-1:] or [""]
-        assert last[0] == f"Exercise {exercise.number}: correct", (
-            f"{notebook}, exercise {exercise.number}: the solution's check printed "
-            f"{_printed(check)!r}"
-        )
-        assert re.search(
-            rf"^Exercise {exercise.number}: rejected a wrong answer", _printed(probe), re.M
-        ), f"{notebook}, exercise {exercise.number}: {_printed(probe)!r}"
-
-
-def _answers(solution: nbformat.NotebookNode, number: int) -> dict[str, Any]:
-    """What the solution of exercise ``number`` gave its names (numbers, short strings)."""
-    found = re.search(rf"^ANSWERS {number} (.*)$", _printed(solution), re.M)
-    assert found, f"exercise {number}: its solution reported no answers"
-    return dict(json.loads(found[1]))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("notebook", LESSONS)
-def test_no_answer_is_printed_above_its_exercise(notebook: str) -> None:
-    """A learner who reads an outputs above the exercise must not find the answer there."""
-    found = _exercises(notebook)
-    cells = _cells(notebook)
-    solutions = _executed(notebook).cells[-(3 * len(found) + 1) : -(len(found) + 1)][0::2]
-    given = []
-    for exercise, solution in zip(found, solutions, strict=True):
-        shown = outputs_above(cells, exercise.stub_index)
-        for name, value in _answers(solution, exercise.number).items():
-            for line in given_away(value, shown, prompt_of(cells, exercise)):
-                given.append(f"exercise {exercise.number}: {name} = {value!r} is printed: {line!r}")
-    assert given == []
 
 
 def _cell(kind: str, text: str, tags: tuple[str, ...] = ()) -> dict[str, Any]:

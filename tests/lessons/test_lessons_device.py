@@ -329,6 +329,9 @@ NO_TRAINING = {
     ("17_context_and_expert_parallelism.ipynb", "ring_check"),
     ("17_context_and_expert_parallelism.ipynb", "ring_timeline"),
     ("17_context_and_expert_parallelism.ipynb", "route"),
+    # a package function (fsdp_guide.parallel), device=None meaning rank_device(), tested on
+    # 2 and 4 ranks in tests/parallel
+    ("16_pipeline_parallelism.ipynb", "train_pipeline"),
 }
 
 

@@ -71,7 +71,9 @@ def _attempt(data: Any, strategy: str, view: bool) -> Held:
 @pytest.fixture(scope="module")
 def held() -> list[list[list[Held]]]:
     """``held[rank][case][attempt]``, from one launch of every case."""
-    ranks: list[list[list[Held]]] = launch(_train, world_size=WORLD, args=(CASES,), backend="gloo")
+    ranks: list[list[list[Held]]] = launch(
+        _train, world_size=WORLD, args=(CASES,), backend="gloo", start_method="fork"
+    )
     return ranks
 
 

@@ -48,7 +48,9 @@ def launched() -> Callable[[bool], Runs]:
     def get(sequence_parallel: bool) -> Runs:
         if sequence_parallel not in done:
             kwargs = {"batch_size": BATCH, "config": CONFIG, "sequence_parallel": sequence_parallel}
-            done[sequence_parallel] = launch(train_2d, world_size=4, args=(2, 2), kwargs=kwargs)
+            done[sequence_parallel] = launch(
+                train_2d, world_size=4, args=(2, 2), kwargs=kwargs, start_method="fork"
+            )
         return done[sequence_parallel]
 
     return get

@@ -56,7 +56,7 @@ def _both_ways(rank: int, world_size: int, steps: int) -> list[tuple[int, int]]:
 def test_the_memory_profile_and_the_allocation_events_agree_on_the_peak() -> None:
     # Gloo's worker threads allocate staging blocks during FSDP2's collectives; the events of
     # every thread put them in one path and not the other, and the two peaks parted.
-    results = launch(_both_ways, world_size=2, args=(6,))
+    results = launch(_both_ways, world_size=2, args=(6,), start_method="fork")
     pairs = [pair for rank in results for pair in rank]
     assert pairs, "the memory profile rejected, or a lost release spoiled, every step"
     assert all(a == b for a, b in pairs), pairs

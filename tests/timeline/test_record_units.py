@@ -23,7 +23,7 @@ BLOCKS = [f"blocks.{i}" for i in range(4)]
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_step_gathers_block_by_block_and_prefetches_in_backward() -> None:
-    timelines = launch(_record, world_size=2, args=({},))
+    timelines = launch(_record, world_size=2, args=({},), start_method="fork")
     for timeline in timelines:
         forward = timeline.collectives("forward")
         assert forward == ["all-gather root", *(f"all-gather {b}" for b in BLOCKS)]
@@ -45,7 +45,9 @@ def test_a_step_gathers_block_by_block_and_prefetches_in_backward() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_without_resharding_after_forward_backward_gathers_nothing() -> None:
-    (timeline, _) = launch(_record, world_size=2, args=({"reshard_after_forward": False},))
+    (timeline, _) = launch(
+        _record, world_size=2, args=({"reshard_after_forward": False},), start_method="fork"
+    )
     assert not [c for c in timeline.collectives("backward") if c.startswith("all-gather")]
     assert timeline.most_held("forward") == 5  # every unit, kept until backward
     assert sum(e.elements for e in timeline.events if e.kind == "all-gather") == sum(

@@ -32,7 +32,7 @@ RUNS: list[Run] = [
 def measured() -> list[tuple[int, str]]:
     """Each run's peak and its phase, from the attempt of either rank that lost no release."""
     ranks: list[list[list[Attempt]]] = launch(
-        measure_peaks, world_size=2, args=(RUNS, BATCH), timeout=900
+        measure_peaks, world_size=2, args=(RUNS, BATCH), start_method="fork", timeout=900
     )
     best = [best_attempt([rank[i] for rank in ranks]) for i in range(len(RUNS))]
     return [(peak, phase) for _, peak, phase in best]

@@ -28,7 +28,9 @@ RUNS: list[Run] = [
 @pytest.fixture(scope="module")
 def measured() -> list[tuple[int, str]]:
     """Each run's peak and its phase, from the attempt of any rank that lost no release."""
-    ranks: list[list[list[Attempt]]] = launch(measure_peaks, world_size=WORLD, args=(RUNS, BATCH))
+    ranks: list[list[list[Attempt]]] = launch(
+        measure_peaks, world_size=WORLD, args=(RUNS, BATCH), start_method="fork"
+    )
     best = [best_attempt([rank[i] for rank in ranks]) for i in range(len(RUNS))]
     return [(peak, phase) for _, peak, phase in best]
 
