@@ -9,6 +9,8 @@ it with its own model and optimizer):
   one file that loads at any world size into any strategy; ``kind="sharded"`` (FSDP1, FSDP2,
   FairScale FSDP, DeepSpeed) has each rank write only its own shards, for states too large
   to gather on one rank. ``extra`` (step, epoch, RNG states) is saved with it.
+- ``save(..., kind="sharded", blocking=False)`` (FSDP1, FSDP2) saves while training goes
+  on; the handle's ``wait()`` finishes it.
 - :func:`load` after building the model and optimizer exactly as for training; it returns
   that ``extra``. Restoring RNG states from it is yours to do, since only you know which
   generators matter.
@@ -32,6 +34,7 @@ with its own `checkpointing <https://deepspeed.readthedocs.io/en/latest/model-ch
 from __future__ import annotations
 
 from fsdp_guide.checkpoint._api import load, save
+from fsdp_guide.checkpoint._async import AsyncSave as AsyncSave
 from fsdp_guide.checkpoint._consolidate import consolidate
 from fsdp_guide.checkpoint._into_shards import load_full_state_dict
 from fsdp_guide.checkpoint._into_shards import read_full_state_dict as read_full_state_dict

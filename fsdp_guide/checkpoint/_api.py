@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fsdp_guide.checkpoint._agree import agree, attempt, rank_and_world
+from fsdp_guide.checkpoint._async import AsyncSave, save_async
 from fsdp_guide.checkpoint._detect import engine_of
 from fsdp_guide.checkpoint._dir import check_sharded_target, open_sharded, write_sharded
 from fsdp_guide.checkpoint._full import full_payload, read_full, write_full
@@ -60,7 +61,8 @@ def save(
     *,
     kind: CheckpointKind = "full",
     extra: dict[str, Any] | None = None,
-) -> Path:
+    blocking: bool = True,
+) -> Path | AsyncSave:
     """Save model and optimizer state (collective: call on every rank).
 
     Args:
@@ -75,14 +77,23 @@ def save(
             size, or is consolidated).
         extra: Small metadata to restore with it (step, epoch, RNG state): tensors, numbers,
             strings and containers of them. Rank 0's is saved.
+        blocking: ``False`` saves without stopping (``kind="sharded"``, FSDP1 and FSDP2):
+            the call returns once each rank's shards are copied into host memory, a thread
+            writes them (``torch.distributed.checkpoint.async_save``) while training goes
+            on, and the handle's ``wait()``, called by every rank before the next save,
+            hashes every file and only then names the new checkpoint in the index. What
+            loads is the state at the call; until ``wait()`` ends, the previous checkpoint.
 
     Returns:
-        The path written.
+        The path written, or with ``blocking=False`` the handle of the save, whose
+        ``wait()`` finishes it and returns the path (``staged_bytes`` gives this rank's
+        copy in host memory).
 
     Raises:
         ValueError: Unknown ``kind``, ``"sharded"`` for a strategy that does not shard
-            parameters, a path of the wrong type, or a sharded target directory holding
-            other files. Raised before anything is written.
+            parameters, a path of the wrong type, a sharded target directory holding
+            other files, or ``blocking=False`` without ``kind="sharded"`` or with another
+            engine than FSDP1 and FSDP2. Raised before anything is written.
         TypeError: ``extra`` holds something a ``weights_only`` load would refuse.
         CheckpointError: Writing failed on some rank; the previous checkpoint is intact.
         RuntimeError: ``CollectiveCallError``: Some rank did not call it within a few seconds of
@@ -96,6 +107,15 @@ def save(
         >>> load(path, nn.Linear(2, 1), None)
         {'step': 7}
     """
+    if blocking is not True:
+        if blocking is not False:
+            raise ValueError(f"blocking must be True or False, got {blocking!r}")
+        if kind != "sharded":
+            raise ValueError(
+                "blocking=False writes each rank's shards in the background: pass "
+                "kind='sharded' (FSDP1, FSDP2)"
+            )
+        return save_async(path, model, optimizer, extra=extra)
     every_rank_enters("fsdp_guide.checkpoint.save")
     path = Path(path)
     engine = engine_of(model, optimizer)

@@ -290,9 +290,30 @@ def save(directory: Path, state: dict[str, Any]) -> list[str]:
     """
     writer = FileSystemWriter(directory, overwrite=False)  # fsyncs each file it writes
     writer.fs = _NamingFileSystem(tensor_bytes(state))
-    metadata = dcp_save(state, storage_writer=writer)
+    return saved_files(dcp_save(state, storage_writer=writer))
+
+
+def saved_files(metadata: Metadata) -> list[str]:
+    """Names (relative to the directory) of every file a DCP save wrote, metadata last."""
     files = {info.relative_path for info in metadata.storage_data.values()}
     return [*sorted(files), METADATA_NAME]
+
+
+def save_in_background(directory: Path, state: dict[str, Any], group: Any) -> tuple[Any, int]:
+    """``dcp.async_save`` of ``state`` into a new ``directory`` (collective): the state is
+    copied into host memory before this returns, then written by a background thread whose
+    collectives run on ``group``.
+
+    Returns:
+        The future of the write (its result: DCP's metadata) and the bytes staged.
+    """
+    from torch.distributed.checkpoint.state_dict_saver import async_save
+
+    writer = FileSystemWriter(directory, overwrite=False)  # fsyncs each file it writes
+    needed = tensor_bytes(state)
+    writer.fs = _NamingFileSystem(needed)
+    future = async_save(state, storage_writer=writer, process_group=group)
+    return future, needed
 
 
 def load(directory: Path, state: dict[str, Any], metadata: Metadata, no_dist: bool = False) -> None:

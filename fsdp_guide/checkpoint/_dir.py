@@ -154,13 +154,32 @@ def write_sharded(
         >>> opened.extra, read_torch(path / opened.index["shards"][0])
         ({'step': 3}, {'w': tensor([1., 1.])})
     """
+    finish_sharded(path, begin_sharded(path), header, write, extra)
+
+
+def begin_sharded(path: Path) -> Path:
+    """The new data directory of a save into ``path``, the same on every rank (collective);
+    rank 0 first removes what interrupted saves left."""
     rank, world = rank_and_world()
     names = [f"data-{uuid.uuid4().hex[:12]}"]  # matches DATA_DIR
     if rank == 0:
         remove_stale_attempts(path)
     if world > 1:  # every rank must write into the same new sub-directory
         dist.broadcast_object_list(names, src=0)
-    data = path / names[0]
+    return path / names[0]
+
+
+def finish_sharded(
+    path: Path,
+    data: Path,
+    header: dict[str, Any],
+    write: Callable[[Path], list[str]],
+    extra: dict[str, Any] | None,
+) -> None:
+    """Write (or wait for) the data of :func:`begin_sharded`'s directory, hash it, and only
+    then replace the index (collective): the arguments of :func:`write_sharded`."""
+    rank, world = rank_and_world()
+    names = [data.name]
 
     def write_and_hash() -> dict[str, dict[str, Any]]:
         mine = write(data)

@@ -20,6 +20,7 @@ from fsdp_guide.cli._args import (
     seconds,
     wrap_policy,
 )
+from fsdp_guide.cli._estimate_practice import add_options, check
 from fsdp_guide.memory import OptimizerName, Precision
 
 
@@ -300,9 +301,10 @@ def add_parser(sub: Any) -> None:
         type=int_at_least(1, MAX_TOKENS),
         default=1,
         metavar="K",
-        help="micro-batches of --batch-size per optimizer step; default 1. The gradients of "
-        "the first are held through the others; FSDP and DeepSpeed ZeRO-2/3 reduce every "
-        "micro-batch (payload and wire are per optimizer step), DDP and ZeRO-1 once",
+        help="with --model or --hf: micro-batches of --batch-size per optimizer step; "
+        "default 1. The gradients of the first are held through the others; FSDP and "
+        "DeepSpeed ZeRO-2/3 reduce every micro-batch (payload and wire are per optimizer "
+        "step), DDP and ZeRO-1 once (--sync-each-micro-step changes it for ddp, fsdp, fsdp2)",
     )
     p.add_argument(
         "--max-batch",
@@ -310,6 +312,7 @@ def add_parser(sub: Any) -> None:
         help="with --gpu-memory: also find, per strategy, the largest --batch-size whose step "
         "fits (a column 'max batch')",
     )
+    add_options(p)
     p.set_defaults(func=_run)
 
 
@@ -364,6 +367,7 @@ def _run(args: argparse.Namespace) -> int:
             "--sequence-parallel cuts the sequence over the tensor-parallel ranks: pass "
             "--tensor-parallel T (T > 1) with --model as well"
         )
+    check(args)
     if args.model is not None or args.hf is not None:
         from fsdp_guide.cli._estimate_model import run_model
 

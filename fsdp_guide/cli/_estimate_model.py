@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from fsdp_guide.cli._args import WRAP_FORMS, WrapArg
+from fsdp_guide.cli._estimate_practice import adapted, default_strategies, extra_lines, patterns
 from fsdp_guide.cli._user_code import import_user_module, load_builder, time_limit
 from fsdp_guide.errors import CommandError
 
@@ -199,7 +200,9 @@ def run_model(args: argparse.Namespace) -> int:
     tp = getattr(args, "tensor_parallel", 1)
     pp = getattr(args, "pipeline_parallel", 1)
     cp, ep = getattr(args, "context_parallel", 1), getattr(args, "expert_parallel", 1)
-    names = args.strategy or (["fsdp2"] if tp > 1 or pp > 1 or ep > 1 else list(STRATEGIES))
+    names = default_strategies(
+        args, args.strategy or (["fsdp2"] if tp > 1 or pp > 1 or ep > 1 else list(STRATEGIES))
+    )
     with_units = [name for name in names if follows_units(engine_for(name))]
     if args.wrap is not None and not with_units:
         raise CommandError(
@@ -215,6 +218,7 @@ def run_model(args: argparse.Namespace) -> int:
         # The user's code (import, builder, forward) runs under the time limit.
         with time_limit(args.build_timeout, what), _quiet_transformers():
             builder, label = _source(args)
+            builder = adapted(builder, args.trainable)
             policy = wrap_rule(args.wrap)  # its classes imported before the model is built
             model = build_on_meta(builder)
             _check_layers(policy, model, args.wrap.text if args.wrap else "")
@@ -245,6 +249,8 @@ def run_model(args: argparse.Namespace) -> int:
                     gpus_per_node=getattr(args, "gpus_per_node", None),
                     reduce_dtype=getattr(args, "reduce_dtype", None),
                     grad_accumulation=getattr(args, "grad_accum", 1),
+                    sync_each_micro_step=getattr(args, "sync_each_micro_step", None),
+                    trainable=patterns(getattr(args, "trainable", None)),
                 )
 
             # The model's forward and backward run once per way of running bf16 (autocast,
@@ -293,5 +299,5 @@ def run_model(args: argparse.Namespace) -> int:
         print(used, file=sys.stderr)  # stdout stays one JSON document
         return 0
     print(plan_table(plans, args.gpu_memory, args.margin, host, largest))
-    print(used)
+    print("\n".join([*extra_lines(plans), used]))
     return 0

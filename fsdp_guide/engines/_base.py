@@ -317,6 +317,12 @@ class Engine(ABC):
         """
         return optimizer
 
+    def held_grads(self, module: nn.Module) -> list[torch.Tensor]:
+        """Gradients a rank holds that no parameter's ``.grad`` shows: FSDP2's unsharded
+        gradients, kept between the micro-steps of gradient accumulation while gradient sync
+        is off; none for the other engines."""
+        return []
+
     def state_tensors(self, module: nn.Module, optimizer: object) -> dict[str, list[Any]] | None:
         """The tensors a rank holds by ``ModelState`` field, where
         the generic walk over parameters, gradients and optimizer state would miss them

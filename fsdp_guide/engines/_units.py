@@ -188,12 +188,27 @@ def unit_names(model: nn.Module, rule: UnitRule | UnitPolicy = "blocks") -> list
     return names
 
 
-def unit_shapes(model: nn.Module, names: Sequence[str]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+def unit_modules(model: nn.Module, name: str) -> list[nn.Module]:
+    """The modules of the unit ``name``: one, or several joined by ``+`` (``"embed+head"``,
+    one unit of both, as ``fully_shard([embed, head])`` makes: how tied weights share one).
+
+    Examples:
+        >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> [type(m).__name__ for m in unit_modules(model, "0+2")]
+        ['Linear', 'Linear']
+    """
+    return [model.get_submodule(part) for part in name.split("+")]
+
+
+def unit_shapes(
+    model: nn.Module, names: Sequence[str], *, trainable_only: bool = False
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """The shapes of each unit's own parameters, the root first, then ``names`` in order.
 
     A parameter belongs to the innermost unit that holds it (``names`` lists children before
     parents); a parameter shared by two modules (tied embeddings) is counted once, where
-    ``model.parameters()`` first meets it.
+    ``model.parameters()`` first meets it. ``trainable_only`` keeps the parameters that
+    require a gradient (what has gradients and optimizer state).
 
     Examples:
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
@@ -202,21 +217,26 @@ def unit_shapes(model: nn.Module, names: Sequence[str]) -> tuple[tuple[tuple[int
     """
     owner: dict[int, int] = {}
     for index, name in enumerate(names, start=1):
-        for p in model.get_submodule(name).parameters():
-            owner.setdefault(id(p), index)
+        for module in unit_modules(model, name):
+            for p in module.parameters():
+                owner.setdefault(id(p), index)
     units: list[list[tuple[int, ...]]] = [[] for _ in range(len(names) + 1)]
     for p in model.parameters():
-        units[owner.get(id(p), 0)].append(tuple(p.shape))
+        if p.requires_grad or not trainable_only:
+            units[owner.get(id(p), 0)].append(tuple(p.shape))
     return tuple(tuple(unit) for unit in units)
 
 
-def model_shape(model: nn.Module, rule: UnitRule | UnitPolicy = "blocks") -> ModelShape:
+def model_shape(
+    model: nn.Module, rule: UnitRule | UnitPolicy = "blocks", *, trainable_only: bool = False
+) -> ModelShape:
     """The shape of ``model`` cut into units by ``rule``: what the predictions are computed from.
 
     Its ``units`` are the shape of each parameter of each unit, the root unit first (a
     shared parameter is in one unit only); ``buffers`` the elements of the model's buffers,
     which DDP broadcasts before every forward; ``num_params``, ``root_params`` and
-    ``shapes`` follow from them.
+    ``shapes`` follow from them. With ``trainable_only``, only the parameters that
+    train (``requires_grad``): those that have gradients and optimizer state.
 
     Examples:
         >>> from fsdp_guide.models import TinyTransformer, TransformerConfig
@@ -224,7 +244,7 @@ def model_shape(model: nn.Module, rule: UnitRule | UnitPolicy = "blocks") -> Mod
         >>> len(shape.units), shape.root_params, shape.buffers
         (3, 17472, 0)
     """
-    units = unit_shapes(model, unit_names(model, rule))
+    units = unit_shapes(model, unit_names(model, rule), trainable_only=trainable_only)
     return ModelShape(
         units=units, buffers=sum(b.numel() for b in model.buffers()), calls=module_calls(model)
     )
@@ -274,7 +294,7 @@ def unit_summary(model: nn.Module, names: Sequence[str], rule: UnitRule | UnitPo
         return f"the whole model (root): {rule!r} selects no module"
     counts: dict[str, int] = {}
     for name in names:
-        kind = type(model.get_submodule(name)).__name__
+        kind = "+".join(type(m).__name__ for m in unit_modules(model, name))
         counts[kind] = counts.get(kind, 0) + 1
     classes = ", ".join(f"{kind} ({n})" for kind, n in counts.items())
     # Read by attribute: the wrap package's policies are built on this one (it imports engines).

@@ -41,6 +41,7 @@ from fsdp_guide.engines._units import (
     UnitPolicy,
     UnitRule,
     UnitView,
+    unit_modules,
     unit_names,
 )
 
@@ -97,6 +98,25 @@ def rows_per_shard(shapes: Sequence[Sequence[int]], group: int) -> tuple[int, li
             diff[full] += rest * width
             diff[full + 1] -= rest * width
     return padded, list(itertools.accumulate(diff[:group]))
+
+
+def unsharded_grads(module: nn.Module) -> list[torch.Tensor]:
+    """The unsharded gradients FSDP2 keeps while ``set_requires_gradient_sync(False)``
+    holds back the reduce-scatter: in the reduce dtype when it differs from the
+    parameters' (``unsharded_accumulated_grad``), else on the unsharded parameter."""
+    fsdp_module = _fsdp_module()
+    held: list[torch.Tensor] = []
+    for sub in module.modules():
+        if not isinstance(sub, fsdp_module):
+            continue
+        group = getattr(sub._get_fsdp_state(), "_fsdp_param_group", None)
+        for param in getattr(group, "fsdp_params", ()):
+            accumulated = getattr(param, "unsharded_accumulated_grad", None)
+            unsharded = getattr(param, "_unsharded_param", None)
+            for grad in (accumulated, getattr(unsharded, "grad", None)):
+                if isinstance(grad, torch.Tensor):
+                    held.append(grad)
+    return held
 
 
 def _fsdp_module() -> type[Any]:
@@ -470,6 +490,9 @@ class FSDP2(TorchStateDict, UnitEngine):
         }
         return sum(p.numel() for p in module.parameters() if id(p) not in nested)
 
+    def held_grads(self, module: nn.Module) -> list[torch.Tensor]:
+        return unsharded_grads(module)
+
     def gather_to_rank0(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -510,11 +533,11 @@ class FSDP2(TorchStateDict, UnitEngine):
         forward = check_prefetch("forward_prefetch", forward)
         backward = check_prefetch("backward_prefetch", backward)
         names = policy.select(module) if policy is not None else []
-        units = [module.get_submodule(name) for name in names]
+        units = [unit_modules(module, name) for name in names]
         for unit in units:  # children before parents, as fully_shard requires
-            fully_shard(unit, **options)
+            fully_shard(unit if len(unit) > 1 else unit[0], **options)
         fully_shard(module, **options)
-        set_prefetch(units, forward=forward, backward=backward)
+        set_prefetch([u[0] for u in units], forward=forward, backward=backward)
         return module
 
     def wrap_unit(

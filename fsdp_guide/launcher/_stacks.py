@@ -34,6 +34,9 @@ _MACHINERY = (
     os.path.join(_PACKAGE, "launcher", "magic.py"),
     os.sep + "multiprocessing" + os.sep,
 )
+# Threads the launcher itself starts in a rank (the parent-death watcher): not the user's
+# work, so their whole block is left out of the report.
+_OWN_THREADS = (os.path.join(_PACKAGE, "launcher", "_orphan.py"),)
 
 
 def is_user_frame(path: str) -> bool:
@@ -70,8 +73,19 @@ def rewrite_block(header: str, frames: list[str]) -> list[str]:
           inside library code, most recent call first:
             File ".../os.py", line 9 in barrier
           (2 lines of fork, launcher and kernel machinery elided)
+
+        A thread the launcher started in the rank (its parent-death watcher) is left out:
+
+        >>> orphan = os.path.join(_PACKAGE, "launcher", "_orphan.py")
+        >>> rewrite_block("Thread 0x2 (most recent call first):", [
+        ...     f'  File "{os.__file__}", line 82 in sigwait',
+        ...     f'  File "{orphan}", line 88 in _wait_for_parent_death',
+        ... ])
+        []
     """
     paths = [m.group("path") if (m := _FRAME.match(f)) else "" for f in frames]
+    if any(p in _OWN_THREADS for p in paths):
+        return []
     launcher = [i for i, p in enumerate(paths) if any(m in p for m in _MACHINERY)]
     cut = launcher[0] if launcher else len(frames)
     user = [i for i in range(cut) if paths[i] and is_user_frame(paths[i])]
@@ -88,11 +102,28 @@ def rewrite_block(header: str, frames: list[str]) -> list[str]:
 
 
 class StackFilter:
-    """Rewrites faulthandler's per-thread blocks in a stream of lines; other lines pass."""
+    """Rewrites faulthandler's per-thread blocks in a stream of lines; other lines pass.
+
+    Examples:
+        >>> orphan = os.path.join(_PACKAGE, "launcher", "_orphan.py")
+        >>> kept = StackFilter().feed([
+        ...     "Thread 0x2 (most recent call first):",
+        ...     f'  File "{orphan}", line 88 in _wait_for_parent_death',
+        ...     "",
+        ...     "Current thread 0x1 (most recent call first):",
+        ...     '  File "<distributed-cell-1>", line 2 in <module>',
+        ...     "",
+        ... ])
+        >>> print("\\n".join(kept))
+        Current thread 0x1 (most recent call first):
+          File "<distributed-cell-1>", line 2 in <module>
+        <BLANKLINE>
+    """
 
     def __init__(self) -> None:
         self._header: str | None = None
         self._frames: list[str] = []
+        self._dropped = False  # a block was left out: so is the blank line after it
 
     def feed(self, lines: list[str]) -> list[str]:
         """Lines ready to print, given the next lines of the stream."""
@@ -101,10 +132,13 @@ class StackFilter:
             if self._header is not None and (_FRAME.match(line) or line == "  ..."):
                 self._frames.append(line)
                 continue
-            out.extend(self.flush())
+            had_block = self._header is not None
+            block = self.flush()
+            out.extend(block)
+            self._dropped = had_block and not block
             if _HEADER.match(line):
                 self._header = line
-            else:
+            elif not (self._dropped and line == ""):
                 out.append(line)
         return out
 

@@ -51,6 +51,8 @@ None). Activations and module buffers are not counted.
 
 from __future__ import annotations
 
+from fsdp_guide.memory._accumulation import Accumulation as Accumulation
+
 # Names beside __all__ are for the package's other sub-packages (the command line, the
 # benchmarks), not documented for readers; ``X as X`` keeps them importable under mypy.
 from fsdp_guide.memory._allocations import Allocations as Allocations

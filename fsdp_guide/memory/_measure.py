@@ -111,7 +111,8 @@ def measure_model_state(
     param_buffers = [getattr(p, name, None) for p in params for name in PARAM_BUFFERS]
     grad_buffers = [getattr(p, name, None) for p in params for name in GRAD_BUFFERS]
     param_bytes = counter.add([*params, *param_buffers])
-    grad_bytes = counter.add([*(p.grad for p in params), *grad_buffers])
+    unsharded = engine.held_grads(module)  # FSDP2's unsharded gradients while sync is off
+    grad_bytes = counter.add([*(p.grad for p in params), *grad_buffers, *unsharded])
     optimizer_bytes = counter.add(_optimizer_state_tensors(optimizer)) if optimizer else 0
     bucket_grads, bucket_copies = _ddp_buckets(module)
     return ModelState(

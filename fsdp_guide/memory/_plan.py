@@ -23,18 +23,21 @@ on top. Inputs count as storages of their own, as a data loader gives them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
 from fsdp_guide.engines import UnitPolicy, UnitRule, model_shape
 from fsdp_guide.memory import _plan_steps as steps
+from fsdp_guide.memory._accumulation import plan_accumulation
 from fsdp_guide.memory._dimensions import RankModel, rank_model
 from fsdp_guide.memory._plan_record import Plan
 from fsdp_guide.memory._plan_steps import unit_sizes
 from fsdp_guide.memory._pp import combine, stage_requests
 from fsdp_guide.memory._request import PlanRequest, resolve
 from fsdp_guide.memory._trace import BatchBuilder, Checkpointing, ModelSource
+from fsdp_guide.memory._trainable import TrainableRule
 from fsdp_guide.memory._zero import OptimizerName, Precision
 
 
@@ -75,7 +78,6 @@ def plan(
     foreach: bool | None = None,
     gpus_per_node: int | None = None,
     reduce_dtype: str | None = None,
-    grad_accumulation: int = 1,
     pipeline_parallel: int = 1,
     microbatches: int | None = None,
     schedule: str | None = None,
@@ -84,6 +86,9 @@ def plan(
     cp_layout: str = "zigzag",
     expert_parallel: int = 1,
     expert_routing: Sequence[Sequence[Any]] | None = None,
+    grad_accumulation: int = 1,
+    sync_each_micro_step: bool | None = None,
+    trainable: TrainableRule | None = None,
 ) -> Plan:
     """Plan the bytes one rank holds in a training step, without allocating the model.
 
@@ -142,10 +147,6 @@ def plan(
             ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``, for every engine alike) or
             ``"bf16"`` (DeepSpeed's own default, its ``communication_data_type``, and FSDP's
             when ``reduce_dtype`` is not set). Autocast's gradients are fp32 whatever is asked.
-        grad_accumulation: Micro-batches of ``batch_size`` per optimizer step: the gradients of
-            the first stay held through the others, and an engine that reduces every
-            micro-batch (FSDP, DeepSpeed ZeRO-2/3) sends its collectives each time (DDP and
-            ZeRO-1 under ``no_sync`` once per step).
         pipeline_parallel: Pipeline ranks, ``p``: the ranks form a ``(p, dp, tp)`` mesh and
             the model, an ``nn.Sequential`` of layers (or a model whose ``pipeline_layers()``
             returns one), is cut into ``p · v`` contiguous stages (equal numbers of layers,
@@ -186,6 +187,25 @@ def plan(
             (each rank receives as many token copies as it sends). With a routing,
             :attr:`Plan.all_to_all` gives each rank's payload and the communication is the
             busiest rank's.
+        grad_accumulation: Micro-steps (forward and backward) of ``batch_size`` per optimizer
+            step, ``k``: :attr:`Plan.communication` is then the optimizer step's (``k``
+            micro-steps, the reductions as ``sync_each_micro_step`` says), the step peak
+            counts the gradients held from one micro-step to the next, and
+            :attr:`Plan.accumulation` says what each rank holds between micro-steps and
+            sends over the ``k``, kind by kind.
+        sync_each_micro_step: With ``k > 1``, when the gradients are reduced. ``None`` (the
+            default) is the engine's own way: DDP's ``no_sync()`` and DeepSpeed ZeRO-1 once
+            per optimizer step; FSDP, FSDP2 and DeepSpeed ZeRO-2/3 after every micro-step,
+            holding gradient shards only. ``False`` reduces once, after the last micro-step
+            (FSDP1's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)`` on the
+            others), where FSDP keeps every unsharded gradient in between; ``True`` after
+            each. Either is planned for the ``"ddp"``, ``"fsdp"`` and ``"fsdp2"`` engines;
+            the others plan their own way only.
+        trainable: Which parameters train: parameter-name patterns (``fnmatch``, such as
+            ``["*lora_*"]``) or a function of the name; ``None`` (the default) keeps the
+            model's own ``requires_grad`` (a ``peft`` model freezes its base). Frozen
+            parameters have no gradient, no optimizer state and no reduction; planned for
+            ``"ddp"`` and ``"fsdp2"``.
 
     Returns:
         A :class:`Plan`.
@@ -197,7 +217,13 @@ def plan(
             strategy other than ``"fsdp2"``, or without a plan; ``sequence_parallel``
             without tensor parallelism or with a ``seq_len`` that does not divide by it; a
             world that is not ``pp x dp x tp`` ranks, more stages than layers, micro-batches
-            that do not divide the batch, or a pipeline with what it is not planned with.
+            that do not divide the batch, or a pipeline with what it is not planned with;
+            a bad ``grad_accumulation``, or a ``sync_each_micro_step`` the engine does not
+            offer;
+            a ``trainable`` that matches nothing, or frozen parameters under another engine
+            than DDP and FSDP2; units that split a tied parameter (``fully_shard`` refuses
+            them too); accumulation or frozen parameters with pipeline, context or expert
+            parallelism (not planned together).
 
     Examples:
         >>> from fsdp_guide.memory import predict_model_state
@@ -239,7 +265,6 @@ def plan(
         foreach=foreach,
         gpus_per_node=gpus_per_node,
         reduce_dtype=reduce_dtype,
-        grad_accumulation=grad_accumulation,
         pipeline_parallel=pipeline_parallel,
         microbatches=microbatches,
         schedule=schedule,
@@ -248,6 +273,9 @@ def plan(
         cp_layout=cp_layout,
         expert_parallel=expert_parallel,
         expert_routing=expert_routing,
+        grad_accumulation=grad_accumulation,
+        sync_each_micro_step=sync_each_micro_step,
+        trainable=trainable,
     )
     if request.pipeline_parallel > 1:
         return _pipeline(request)
@@ -260,12 +288,26 @@ def _plan_request(request: PlanRequest) -> tuple[Plan, RankModel]:
     shape, units = steps.units(request, rank)
     ranks, hosts, exact = steps.model_state(request, shape, rank)
     profile = steps.activations(request, rank)
-    communication = steps.communication(request, rank, shape)
+    micro_step = steps.communication(request, rank, shape)
     sizes = steps.step_sizes(request, rank, shape, profile, ranks)
-    return (
-        steps.assemble(request, units, ranks, hosts, exact, sizes, communication, rank.all_to_all),
-        rank,
+    # One micro-step's collectives become the optimizer step's: k micro-steps, the
+    # gradients' reductions held back to the last or not.
+    accumulation = plan_accumulation(request, rank, ranks, micro_step)
+    communication = micro_step
+    held = None
+    if accumulation is not None:
+        communication = replace(micro_step, payload=dict(accumulation.payload))
+        held = accumulation.held
+    assembled = steps.assemble(
+        request, units, ranks, hosts, exact, sizes, communication, rank.all_to_all, held
     )
+    plan = replace(
+        assembled,
+        trainable_params=request.trainable_params,
+        frozen_params=request.frozen_params,
+        accumulation=accumulation,
+    )
+    return plan, rank
 
 
 def _pipeline(request: PlanRequest) -> Plan:

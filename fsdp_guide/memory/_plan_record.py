@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_guide.comm import CommPrediction
+from fsdp_guide.memory._accumulation import Accumulation
 from fsdp_guide.memory._pp_record import PipelinePlan
 from fsdp_guide.memory._state import ModelState
 
@@ -25,7 +26,8 @@ class Plan:
             parameters and unsharded gradients), DDP's gradient bucket, the parameters
             DeepSpeed ZeRO-3 holds gathered as backward starts.
         transient_kind: What ``transient`` is, in words.
-        communication: The communication of one step.
+        communication: The communication of one optimizer step (with ``grad_accumulation``
+            micro-steps, of all of them).
         cpu_offload: Whether the whole model state lives in host memory (FSDP1's
             ``CPUOffload``).
         ranks: The state of each rank, ``ranks[r]`` for rank ``r``: they differ where the
@@ -70,6 +72,11 @@ class Plan:
         all_to_all: With expert parallelism, each rank of an expert-parallel group's
             all-to-all payload elements per step, ``all_to_all[r]`` for its ``r``-th rank
             (``communication`` holds the largest); empty otherwise.
+        trainable_params: Parameters that train (``requires_grad``): they alone have
+            gradients and optimizer state.
+        frozen_params: Parameters that do not (a frozen base under LoRA adapters).
+        accumulation: What ``grad_accumulation`` micro-steps per optimizer step hold and
+            send; ``None`` for one micro-step.
     """
 
     strategy: str
@@ -99,6 +106,9 @@ class Plan:
     context_parallel: int = 1
     expert_parallel: int = 1
     all_to_all: tuple[int, ...] = ()
+    trainable_params: int = 0
+    frozen_params: int = 0
+    accumulation: Accumulation | None = None
 
     @property
     def fullest_rank(self) -> int:
@@ -229,6 +239,20 @@ class Plan:
             "units": self.units,
             "sequence_parallel": self.sequence_parallel,
             "kept_params": self.kept_params,
+            "trainable_params": self.trainable_params,
+            "frozen_params": self.frozen_params,
             "context_parallel": self.context_parallel,
             "expert_parallel": self.expert_parallel,
+            **self._accumulation_dict(index),
+        }
+
+    def _accumulation_dict(self, rank: int) -> dict[str, int | str | bool]:
+        acc = self.accumulation
+        if acc is None:
+            return {"grad_accumulation": 1}
+        return {
+            "grad_accumulation": acc.micro_steps,
+            "sync_each_micro_step": acc.sync_each_micro_step,
+            "held_between_micro_steps": acc.held[rank],
+            "communication_per_optimizer_step": sum(acc.payload_bytes.values()),
         }

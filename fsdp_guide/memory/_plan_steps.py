@@ -25,12 +25,14 @@ from fsdp_guide.engines import (
     unit_summary,
 )
 from fsdp_guide.errors import PlanError
+from fsdp_guide.memory._accumulation import gradient_payload
 from fsdp_guide.memory._dimensions import RankModel
 from fsdp_guide.memory._plan_record import Plan
 from fsdp_guide.memory._predict import host_per_rank, state_per_rank
 from fsdp_guide.memory._profile import ActivationProfile, remembered, traced_profile
 from fsdp_guide.memory._request import PlanRequest
 from fsdp_guide.memory._state import ModelState
+from fsdp_guide.memory._trainable import with_frozen
 
 
 def unit_sizes(shape: ModelShape) -> tuple[int, int]:
@@ -61,10 +63,15 @@ def model_state(
     The engine lays the state out over the data-parallel ranks; the mesh is row-major, so
     the ``tensor_parallel`` ranks of a group share their data-parallel rank's layout. Experts
     laid out apart (expert parallelism) add the layout of the ranks holding the same ones.
+    Frozen parameters are weights only: the gradients and optimizer state are those of
+    the trainable ones.
     """
     engine, dp, tp = request.engine, request.data_parallel, request.tensor_parallel
     precision, optimizer = request.precision, request.optimizer
     by_dp, exact = state_per_rank(engine, shape, dp, precision, optimizer)
+    if request.frozen_params:  # weights only: gradients and optimizer state train
+        trainable = model_shape(rank.model, request.policy, trainable_only=True)
+        by_dp = with_frozen(by_dp, state_per_rank(engine, trainable, dp, precision, optimizer)[0])
     on_host = host_per_rank(engine, shape, dp, precision, optimizer)
     world = range(request.world_size)
     states = [by_dp[r // tp % dp] for r in world]
@@ -108,6 +115,8 @@ def activations(request: PlanRequest, rank: RankModel) -> ActivationProfile | in
         None if request.tp_plan is None else tuple(sorted(request.tp_plan.items())),
         request.context_parallel,
         request.cp_layout,
+        # Frozen weights save less for backward; the rank's model says which train.
+        tuple(n for n, p in rank.model.named_parameters() if not p.requires_grad),
     )
     return remembered(
         request.source,
@@ -126,8 +135,9 @@ def activations(request: PlanRequest, rank: RankModel) -> ActivationProfile | in
 
 
 def communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> CommPrediction:
-    """The engine's collectives over the data-parallel ranks and those the cuts add, per
-    optimizer step: micro-batches times one micro-batch's for an engine that reduces each."""
+    """The engine's collectives over the data-parallel ranks and those the cuts add, in one
+    micro-step that reduces the gradients (``plan`` makes them the optimizer step's with
+    :func:`plan_accumulation`)."""
     predicted = predict_communication(
         request.strategy,
         shape.num_params,
@@ -138,9 +148,9 @@ def communication(request: PlanRequest, rank: RankModel, shape: ModelShape) -> C
         gpus_per_node=request.gpus_per_node,
         engine=request.engine,
     )
-    if request.engine.syncs_every_microbatch and request.grad_accumulation > 1:
-        times = request.grad_accumulation
-        predicted = replace(predicted, payload={k: n * times for k, n in predicted.payload.items()})
+    if request.frozen_params:  # only the trainable parameters' gradients are reduced
+        gradients = gradient_payload(request, rank)
+        predicted = replace(predicted, payload={**predicted.payload, **gradients})
     if not rank.payload:
         return predicted
     added = dict(rank.payload)
@@ -237,9 +247,12 @@ def assemble(
     sizes: StepSizes,
     communication: CommPrediction,
     all_to_all: tuple[int, ...] = (),
+    held: tuple[int, ...] | None = None,
 ) -> Plan:
     """The :class:`Plan`: the fullest rank's state, what each rank keeps between steps on
-    the accelerator, the engine's transient buffer and step peak."""
+    the accelerator, the engine's transient buffer and step peak. ``held``: the gradient
+    bytes each rank holds between micro-steps of gradient accumulation (whole gradients
+    while the sync is held back), where they are not its gradient shards."""
     engine, dp = request.engine, request.data_parallel
     num_params = sum(p.numel() for p in request.model.parameters())
     local_params = sizes.params // request.per_param.params
@@ -269,8 +282,8 @@ def assemble(
     if request.grad_accumulation > 1 and not engine.grads_between_steps:
         # From the second micro-batch on, the gradients so far are held through its step.
         held = tuple(
-            0 if request.cpu_offload else r.grads - h.grads
-            for r, h in zip(ranks, hosts, strict=True)
+            0 if request.cpu_offload else (r.grads if held is None else held[i]) - h.grads
+            for i, (r, h) in enumerate(zip(ranks, hosts, strict=True))
         )
         on_device = tuple(k + g for k, g in zip(on_device, held, strict=True))
     fullest = ranks.index(state)

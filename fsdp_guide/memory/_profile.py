@@ -151,8 +151,9 @@ def _first_grad_tensor(value: Any) -> Tensor | None:
 
 
 def _outer_units(model: nn.Module, policy: UnitRule | UnitPolicy) -> list[nn.Module]:
-    """The policy's units that are inside no other unit."""
-    names = unit_names(model, policy)
+    """The policy's units that are inside no other unit (a unit of several modules joined
+    by ``+``, as tied weights share one, marked module by module)."""
+    names = [part for name in unit_names(model, policy) for part in name.split("+")]
     outer = [n for n in names if not any(n.startswith(f"{m}.") for m in names if m != n)]
     return [model.get_submodule(n) for n in outer]
 

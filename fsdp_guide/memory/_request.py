@@ -22,10 +22,12 @@ from torch import nn
 from fsdp_guide.catalog import get_strategy
 from fsdp_guide.engines import Engine, UnitPolicy, UnitRule, engine_for
 from fsdp_guide.errors import PlanError
+from fsdp_guide.memory._accumulation import check_accumulation
 from fsdp_guide.memory._cp import check_context_parallel
 from fsdp_guide.memory._ep import check_expert_parallel
 from fsdp_guide.memory._pp_checks import check_pipeline
 from fsdp_guide.memory._trace import BatchBuilder, Checkpointing, build_on_meta, check_sizes
+from fsdp_guide.memory._trainable import TrainableRule, apply_trainable, check_frozen, check_tied
 from fsdp_guide.memory._zero import BytesPerParam, OptimizerName, Precision, bytes_per_param
 
 #: The most ranks :func:`plan` takes: it keeps a model state per rank.
@@ -60,7 +62,6 @@ class PlanRequest:
             parameters).
         gpus_per_node: GPUs of a node (``None``: not given); HSDP shards within a node.
         reduce_dtype: What the gradients' collectives carry: ``"fp32"`` or ``"bf16"``.
-        grad_accumulation: Micro-batches per optimizer step.
         pipeline_parallel: Pipeline ranks (1: none); the mesh is ``(pp, dp, tp)``.
         microbatches: Micro-batches per step of the pipeline.
         schedule: The pipeline schedule, torch's name (``"1F1B"``).
@@ -74,6 +75,11 @@ class PlanRequest:
         expert_routing: Tokens each rank of an expert-parallel group sends each expert of
             each mixture-of-experts layer, ``[layer][rank][expert]``, or ``None`` for a
             balanced router.
+        grad_accumulation: Micro-steps per optimizer step.
+        sync_each_micro_step: Whether each micro-step reduces its gradients (resolved: the
+            engine's own way when not asked).
+        trainable_params: Parameters that train (``requires_grad``).
+        frozen_params: Parameters that do not.
     """
 
     source: Any
@@ -96,7 +102,6 @@ class PlanRequest:
     foreach: bool
     gpus_per_node: int | None = None
     reduce_dtype: str = "fp32"
-    grad_accumulation: int = 1
     pipeline_parallel: int = 1
     microbatches: int = 1
     schedule: str = "1F1B"
@@ -106,6 +111,10 @@ class PlanRequest:
     cp_layout: str = "zigzag"
     expert_parallel: int = 1
     expert_routing: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+    grad_accumulation: int = 1
+    sync_each_micro_step: bool = False
+    trainable_params: int = 0
+    frozen_params: int = 0
 
     @property
     def autocast(self) -> bool:
@@ -181,7 +190,6 @@ def resolve(
     foreach: bool | None = None,
     gpus_per_node: int | None = None,
     reduce_dtype: str | None = None,
-    grad_accumulation: int = 1,
     pipeline_parallel: int = 1,
     microbatches: int | None = None,
     schedule: str | None = None,
@@ -190,6 +198,9 @@ def resolve(
     cp_layout: str = "zigzag",
     expert_parallel: int = 1,
     expert_routing: Any = None,
+    grad_accumulation: int = 1,
+    sync_each_micro_step: bool | None = None,
+    trainable: TrainableRule | None = None,
 ) -> PlanRequest:
     """``plan()``'s keywords checked, in the order a caller's mistakes are best named.
 
@@ -224,14 +235,19 @@ def resolve(
         isinstance(activations, bool) or not isinstance(activations, int) or activations < 0
     ):
         raise PlanError(f"activations must be an int >= 0 bytes, got {activations!r}")
+    k, sync = check_accumulation(
+        engine, grad_accumulation, sync_each_micro_step, precision == "mixed"
+    )
     model = build_on_meta(model_or_builder)
     if not any(math.prod(p.shape) for p in model.parameters()):
         raise PlanError(f"{type(model).__name__} has no parameters to train")
+    trainable_params, frozen_params = apply_trainable(model, trainable)
+    check_frozen(engine, frozen_params)
+    check_tied(model, policy)
     tp = _check_tensor_parallel(engine, world_size, tensor_parallel)
     _check_sequence_parallel(sequence_parallel, tp, seq_len)
     if foreach is not None and not isinstance(foreach, bool):
         raise PlanError(f"foreach must be True, False or None, got {foreach!r}")
-    _int_at_least("grad_accumulation", grad_accumulation, 1)
     engine = _on_nodes(engine, world_size // tp, gpus_per_node)
     if optimizer == "adamw":  # Adam's moments and step; the weight decay keeps no state
         optimizer = "adam"
@@ -261,6 +277,11 @@ def resolve(
         raise PlanError(
             "pipeline_parallel with context_parallel or expert_parallel is not planned: pick one"
         )
+    if (k > 1 or frozen_params) and (pipeline.get("pipeline_parallel", 1) > 1 or cp > 1 or ep > 1):
+        what = "grad_accumulation > 1" if k > 1 else "frozen parameters"
+        raise PlanError(
+            f"{what} with pipeline, context or expert parallelism is not planned: plan them apart"
+        )
     return PlanRequest(
         source=model_or_builder,
         model=model,
@@ -282,12 +303,15 @@ def resolve(
         foreach=(not engine.flat_parameters) if foreach is None else foreach,
         gpus_per_node=gpus_per_node,
         reduce_dtype=_reduce_dtype(engine, precision, reduce_dtype),
-        grad_accumulation=grad_accumulation,
         **pipeline,
         context_parallel=cp,
         cp_layout=cp_layout,
         expert_parallel=ep,
         expert_routing=routing,
+        grad_accumulation=k,
+        sync_each_micro_step=sync,
+        trainable_params=trainable_params,
+        frozen_params=frozen_params,
     )
 
 

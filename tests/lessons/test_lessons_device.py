@@ -198,6 +198,12 @@ CASES: list[tuple[str, str, tuple[Any, ...]]] = [
     ("13_one_step_in_time.ipynb", "one_step", ("fsdp2", {"reshard_after_forward": False})),
     ("13_one_step_in_time.ipynb", "one_step", ("deepspeed_zero3",)),
     ("13_one_step_in_time.ipynb", "every_step", ({"FSDP1": ("fsdp1", {})},)),
+    ("15_fsdp2_in_practice.ipynb", "accumulate_all", ()),
+    ("15_fsdp2_in_practice.ipynb", "clip_norms", ()),
+    ("15_fsdp2_in_practice.ipynb", "frozen_runs", ()),
+    ("15_fsdp2_in_practice.ipynb", "mixed_both", ()),
+    ("15_fsdp2_in_practice.ipynb", "compiled_all", ()),
+    ("15_fsdp2_in_practice.ipynb", "save_while_training", ("/nonexistent",)),
 ]
 
 
@@ -311,6 +317,10 @@ NO_TRAINING = {
     # a package function (fsdp_guide.parallel), device=None meaning rank_device(), tested
     # on 4 ranks in tests/parallel
     ("14_beyond_data_parallelism.ipynb", "train_2d"),
+    # Lesson 15 calls fully_shard itself to place a tied weight (the stand-ins replace shard),
+    # and hangs a collective on purpose.
+    ("15_fsdp2_in_practice.ipynb", "tied_all"),
+    ("15_fsdp2_in_practice.ipynb", "skip_collective"),
     # package functions (fsdp_guide.parallel), device=None meaning rank_device(), tested on 2
     # and 4 ranks in tests/parallel; and checks that train nothing (attention on random
     # tensors, a router's routing)
