@@ -25,6 +25,8 @@ name                        stage engine         what it is
 ``fsdp_hybrid``             3     fsdp1          PyTorch FSDP1, ``HYBRID_SHARD`` in pairs
 ``fsdp2``                   3     fsdp2          PyTorch FSDP2, ``fully_shard`` per block
 ``fsdp2_hybrid``            3     fsdp2          PyTorch FSDP2 on a 2-D mesh: HSDP in pairs
+``fsdp2_no_reshard``        3     fsdp2          PyTorch FSDP2, blocks kept gathered to backward
+``fsdp2_offload``           3     fsdp2          PyTorch FSDP2, ``CPUOffloadPolicy``
 ``fairscale_fsdp``          3     fairscale_fsdp FairScale FSDP (CUDA only)
 ``deepspeed_zero1``         1     deepspeed      DeepSpeed ZeRO-1 (the ``deepspeed`` extra)
 ``deepspeed_zero2``         2     deepspeed      DeepSpeed ZeRO-2

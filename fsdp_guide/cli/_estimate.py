@@ -35,22 +35,45 @@ def _strategy_lines() -> str:
     return "\n".join(lines)
 
 
+# One line each: the site renders this text as reStructuredText, where an indented
+# continuation line starts a block quote.
+_COLUMNS = (
+    (
+        "params, grads, optimizer, master, buckets",
+        "model state on the GPU (master: DeepSpeed's fp32 copy; buckets: communication "
+        "buffers kept between steps)",
+    ),
+    ("activations", "what autograd saves in forward"),
+    ("transient", "the largest short-lived buffer (a gathered unit, DDP's bucket)"),
+    ("total", "the sum of the columns before it"),
+    (
+        "peak",
+        "the most held at once in a step (forward, backward or the optimizer step), what "
+        "must fit --gpu-memory",
+    ),
+    ("host", "model state kept in host memory (offload)"),
+    (
+        "payload",
+        "per optimizer step, the tensor each collective reduces, gathers or broadcasts, in "
+        "its precision (gradients in --reduce-dtype)",
+    ),
+    (
+        "wire",
+        "per optimizer step, what the rank sends in a ring: 2(g-1)/g of an all-reduce's "
+        "payload, (g-1)/g of the others', over a group of g ranks",
+    ),
+)
+
+
+def _column_lines() -> str:
+    return "\n".join(f"  {name}: {meaning}" for name, meaning in _COLUMNS)
+
+
 _EPILOG = f"""strategies:
 {_strategy_lines()}
 
 columns (bytes per GPU, on the rank that holds the most):
-  params, grads, optimizer, master, buckets  model state on the GPU (master: DeepSpeed's
-      fp32 copy; buckets: communication buffers kept between steps)
-  activations  what autograd saves in forward
-  transient    the largest short-lived buffer (a gathered unit, DDP's bucket)
-  total        the sum of the columns before it
-  peak         the most held at once in a step (forward, backward or the optimizer step):
-               what must fit --gpu-memory
-  host         model state kept in host memory (offload)
-  payload      per optimizer step: the tensor each collective reduces, gathers or
-               broadcasts, in its precision (gradients in --reduce-dtype)
-  wire         per optimizer step, what the rank sends in a ring: 2(g-1)/g of an
-               all-reduce's payload, (g-1)/g of the others', over a group of g ranks
+{_column_lines()}
 """
 
 

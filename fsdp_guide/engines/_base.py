@@ -220,8 +220,10 @@ class Engine(ABC):
 
     @property
     def steps_on_host(self) -> bool:
-        """Whether the optimizer steps in host memory (an offloaded optimizer): its step
-        then holds nothing more on the accelerator."""
+        """Whether the optimizer steps in host memory, as an offloaded optimizer does.
+
+        Its step then holds nothing more on the accelerator.
+        """
         return False
 
     @property

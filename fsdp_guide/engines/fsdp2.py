@@ -455,6 +455,10 @@ class FSDP2(TorchStateDict, UnitEngine):
         the replicas (exact when each parameter's rows divide by the group: else padded)."""
         shard = self.shard_group_size(world_size)
         sharded = fully_sharded(num_params, shard, root_unit_params)
+        if self.reshard_after_forward is False:  # kept gathered: backward gathers nothing
+            sharded = Collectives(
+                payload={**sharded.payload, "all_gather": num_params}, groups=sharded.groups
+            )
         if self.shard_group is None:
             return sharded
         return Collectives(

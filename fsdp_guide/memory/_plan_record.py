@@ -131,14 +131,19 @@ class Plan:
 
     @property
     def device_state(self) -> int:
-        """Bytes of model state on the accelerator of the fullest rank: the state, less what
-        lives in host memory (:meth:`host`)."""
+        """Bytes of model state on the accelerator of the fullest rank.
+
+        The state, less what lives in host memory (:meth:`host`).
+        """
         return self.state.total - self.host().total
 
     @property
     def total(self) -> int:
-        """Bytes on the accelerator of the fullest rank: model state, activations, transient
-        buffer (each a column of ``estimate``'s table; the step's peak is :attr:`step_peak`)."""
+        """Bytes on the accelerator of the fullest rank.
+
+        Model state, activations and the transient buffer, each a column of ``estimate``'s
+        table; the step's peak is :attr:`step_peak`.
+        """
         return self.device_state + self.activations + self.transient
 
     def rank_total(self, rank: int) -> int:

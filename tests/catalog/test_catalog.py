@@ -57,6 +57,8 @@ def test_variants_name_a_row_of_the_same_engine_and_stage() -> None:
         "sharded_ddp_buckets",
         "fsdp_hybrid",
         "fsdp2_hybrid",
+        "fsdp2_no_reshard",
+        "fsdp2_offload",
         "deepspeed_zero2_offload",
         "deepspeed_zero3_offload",
     } - ({"fsdp2_hybrid"} - set(STRATEGIES))

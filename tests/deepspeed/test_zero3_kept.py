@@ -78,7 +78,7 @@ def test_a_shorter_reuse_distance_keeps_only_the_last_modules() -> None:
     every, few = _plan(), _plan(max_reuse_distance=100_000, prefetch_bucket_size=0)
     assert every.kept_params == 4 * every.num_params
     assert 0 < few.kept_params < every.kept_params
-    assert few.total == few.step_peak < every.total == every.step_peak
+    assert few.total < every.total and few.step_peak < every.step_peak
     assert few.as_dict()["kept_params"] == few.kept_params
 
 

@@ -187,7 +187,7 @@ def test_a_run_refuses_a_sequence_it_cannot_cut(tp: int, seq_len: int) -> None:
         ({"tensor_parallel": 2, "strategy": "fsdp2_hybrid"}, "strategy='fsdp2'"),
         ({"tensor_parallel": 2, "tp_plan": {"attention.wq": "diagonal"}}, "colwise"),
         ({"tensor_parallel": 2, "tp_plan": {"nothing.here": "colwise"}}, "matches no layer"),
-        ({"tensor_parallel": 2, "tp_plan": {"attention_norm": "colwise"}}, "name nn.Linear"),
+        ({"tensor_parallel": 2, "tp_plan": {"attention_norm": "colwise"}}, "cuts an nn.Linear"),
         (
             {"tensor_parallel": 4, "tp_plan": {"w1": "colwise", "w2": "rowwise"}, "world_size": 8},
             "",
