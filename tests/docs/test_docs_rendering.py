@@ -220,7 +220,7 @@ def test_stacked_headings_are_found(tmp_path: Path) -> None:
 
 
 def test_cli_page_shows_real_output_of_estimate(site: Path) -> None:  # noqa: F811
-    from fsdp_guide.cli._estimate import estimate_table
+    from fsdp_guide.cli._estimate_table import estimate_table
 
     text = html.unescape(re.sub(r"<[^>]+>", "", (site / "cli.html").read_text(encoding="utf-8")))
     assert "$ python -m fsdp_guide estimate --params 7e9 --world-size 8 --gpu-memory 80GB" in text

@@ -203,7 +203,11 @@ def test_recommendation_is_maintained_then_least_communication_then_least_memory
     by_name = {p.strategy: p for p in plans}
     # DDP and FSDP2 are maintained, so they come before the rest whatever they send.
     ddp, fsdp2 = by_name["ddp"], by_name["fsdp2"]
-    assert recommend(plans, 10**12) is ddp  # everything fits: the least communication
+    kept = by_name["fsdp2_no_reshard"]  # gathers once, reduce-scatters once: DDP's ring bytes
+    assert kept.communication.wire_elements() == ddp.communication.wire_elements()
+    assert kept.total < ddp.total
+    assert recommend(plans, 10**12) is kept  # everything fits: the least communication, then memory
+    assert recommend([ddp, fsdp2], 10**12) is ddp
     assert recommend([by_name["sharded_ddp"], by_name["fsdp"], fsdp2], 10**12) is fsdp2
     # Within one maintenance rank: the least communication, then the least memory.
     fairscale = [by_name[n] for n in ("oss", "sharded_ddp", "sharded_ddp_buckets")]
