@@ -59,6 +59,31 @@ def device() -> tuple[bool, str]:
     return True, f"{', '.join(names)}; torch {torch.__version__} (CUDA {torch.version.cuda})"
 
 
+def _timed_out(stopped: subprocess.TimeoutExpired, seconds: float) -> str:
+    """What a stopped command printed (it may come back as bytes), and that it was stopped."""
+    partial = stopped.stdout or b""
+    text = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+    return f"{text}\ntimed out after {seconds:.0f} s"
+
+
+def _result(
+    name: str, command: str, output: str, ok: bool, start: float, log: Path | None
+) -> Result:
+    """A finished command's row: its last line as the summary, the tail when it failed; its
+    whole output goes to ``log`` when given."""
+    if log is not None:
+        log.write_text(output)
+    lines = [line for line in output.splitlines() if line.strip()]
+    return Result(
+        name=name,
+        command=command,
+        status="passed" if ok else "failed",
+        seconds=time.monotonic() - start,
+        summary=lines[-1][:200] if lines else "",
+        tail="\n".join(lines[-40:]) if not ok else "",
+    )
+
+
 def run_tests(paths: list[str], seconds: float, log: Path | None = None) -> Result:
     """``pytest -m gpu`` over ``paths`` in a subprocess, stopped after ``seconds``; its whole
     output goes to ``log`` when given."""
@@ -71,21 +96,9 @@ def run_tests(paths: list[str], seconds: float, log: Path | None = None) -> Resu
             command, cwd=ROOT, capture_output=True, text=True, timeout=max(seconds, 1)
         )
         output, ok = done.stdout + done.stderr, done.returncode in (0, 5)  # 5: none collected
-    except subprocess.TimeoutExpired as stopped:  # its output may come back as bytes
-        partial = stopped.stdout or b""
-        text = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
-        output, ok = f"{text}\ntimed out after {seconds:.0f} s", False
-    if log is not None:
-        log.write_text(str(output))
-    lines = [line for line in str(output).splitlines() if line.strip()]
-    return Result(
-        name="pytest -m gpu",
-        command=" ".join(command[1:]),
-        status="passed" if ok else "failed",
-        seconds=time.monotonic() - start,
-        summary=lines[-1] if lines else "",
-        tail="\n".join(lines[-40:]) if not ok else "",
-    )
+    except subprocess.TimeoutExpired as stopped:
+        output, ok = _timed_out(stopped, seconds), False
+    return _result("pytest -m gpu", " ".join(command[1:]), output, ok, start, log)
 
 
 def run_command(name: str, command: str, seconds: float, log: Path) -> Result:
@@ -102,19 +115,8 @@ def run_command(name: str, command: str, seconds: float, log: Path) -> Result:
         if not ok:
             output += f"\nexit code {done.returncode}"
     except subprocess.TimeoutExpired as stopped:
-        partial = stopped.stdout or b""
-        text = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
-        output, ok = f"{text}\ntimed out after {seconds:.0f} s", False
-    log.write_text(str(output))
-    lines = [line for line in str(output).splitlines() if line.strip()]
-    return Result(
-        name=name,
-        command=command,
-        status="passed" if ok else "failed",
-        seconds=time.monotonic() - start,
-        summary=lines[-1][:200] if lines else "",
-        tail="\n".join(lines[-40:]) if not ok else "",
-    )
+        output, ok = _timed_out(stopped, seconds), False
+    return _result(name, command, output, ok, start, log)
 
 
 def run_notebook(path: str, out: str, cuda: bool, cell_timeout: float, deadline: float) -> Result:
